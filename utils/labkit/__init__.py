@@ -1,0 +1,39 @@
+"""labkit: run notebook code on real torch.distributed ranks, and check it.
+
+    import labkit
+    world = labkit.world(4)          # 4 long-lived rank processes, one process group
+    world.run(fn, *args)             # fn runs on every rank; one result per rank
+
+See README.md beside this file for the whole API in one page.
+"""
+
+from labkit.errors import (CallInterrupted, CallTimeout, LabkitError, PicklingError, RankDied,
+                           RankError, WorldError)
+
+__all__ = ["world", "World", "current", "shutdown_all", "device", "LabkitError", "WorldError",
+           "RankError", "RankDied", "CallTimeout", "CallInterrupted", "PicklingError",
+           "load_ipython_extension"]
+
+
+def __getattr__(name):
+    # The launcher imports torch: load it on first use, so `labkit --help` stays quick.
+    if name in ("world", "World", "current", "shutdown_all", "max_world_size", "gpu_count"):
+        from labkit import launcher as _launcher
+        return getattr(_launcher, name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+def device():
+    """Inside a rank: this rank's device (`cuda:<rank>` under NCCL, else `cpu`)."""
+    import sys
+    worker = sys.modules.get("labkit._worker")
+    if worker is None or worker.STATE.rank is None:
+        import torch
+        return torch.device("cpu")
+    return worker.STATE.device
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext labkit` registers the `%%ranks` cell magic."""
+    from labkit.magic import register
+    register(ipython)

@@ -1,0 +1,209 @@
+"""Rank side: wrap torch.distributed's communication functions to record and to inject faults.
+
+Every call of a wrapped function (collective or point-to-point) becomes a record:
+`seq` (per process group for collectives, per peer for point-to-point), `op`, `group` (global
+ranks), `peer`, `shapes`, `dtypes`, `tensor_bytes`, `wire_bytes_sent`, `t_start`, `t_end`,
+`finished`. The last few records are always kept (the hang diagnosis reads them); all of them are
+kept while tracing is on.
+
+`wire_bytes_sent` is what this process wrote to the kernel during the op (`wchar` in
+/proc/self/io): under gloo that is the bytes put on the sockets, whatever algorithm gloo picked.
+"""
+
+import collections
+import inspect
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+RECENT = 16
+
+
+class _State:
+    def __init__(self):
+        self.recent = collections.deque(maxlen=RECENT)
+        self.records = None          # a list while tracing is on
+        self.current = []            # records started and not finished (async ops included)
+        self.collective_seq = collections.Counter()
+        self.p2p_seq = collections.Counter()
+        self.count_since_fault = 0
+        self.fault = None            # {"at": k, "action": "exit"|"sleep", "seconds": s}
+        self.count_wire = True
+
+
+STATE = _State()
+
+
+def _wchar():
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _group_ranks(group):
+    if group is None or group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _fire_fault():
+    fault = STATE.fault
+    STATE.count_since_fault += 1
+    if fault is None or STATE.count_since_fault != fault["at"]:
+        return
+    STATE.fault = None
+    rank = dist.get_rank()
+    if fault["action"] == "exit":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(fault.get("exitcode", 17))
+    print(f"labkit fault injection: rank {rank} sleeps {fault['seconds']} s before "
+          f"its communication op #{fault['at']}", file=sys.stderr, flush=True)
+    time.sleep(fault["seconds"])
+
+
+class _TracedWork:
+    """Wraps the Work an async op returns, so the record is finished when `wait()` returns."""
+
+    def __init__(self, work, record):
+        self._work = work
+        self._record = record
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        _finish(self._record)
+        return result
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        if done:
+            _finish(self._record)
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _finish(record):
+    if record["finished"]:
+        return
+    record["t_end"] = time.time()
+    start = record.pop("_wchar0", None)
+    end = _wchar() if start is not None else None
+    record["wire_bytes_sent"] = None if end is None else end - start
+    record["finished"] = True
+    try:
+        STATE.current.remove(record)
+    except ValueError:
+        pass
+
+
+def _wrap(name, function, point_to_point):
+    signature = inspect.signature(function)
+
+    def traced(*args, **kwargs):
+        _fire_fault()
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return function(*args, **kwargs)   # let torch raise its own message
+        group = bound.get("group")
+        ranks = _group_ranks(group)
+        tensors = [t for value in bound.values() for t in _tensors(value)]
+        if point_to_point:
+            peer = bound.get("dst", bound.get("src"))
+            if peer is None:
+                peer = bound.get("group_dst", bound.get("group_src"))
+            STATE.p2p_seq[peer] += 1
+            seq = STATE.p2p_seq[peer]
+        else:
+            peer = None
+            STATE.collective_seq[ranks] += 1
+            seq = STATE.collective_seq[ranks]
+        record = {
+            "rank": dist.get_rank(), "seq": seq, "op": name, "group": ranks, "peer": peer,
+            "shapes": [tuple(t.shape) for t in tensors],
+            "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
+            "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "wire_bytes_sent": None, "t_start": time.time(), "t_end": None, "finished": False,
+        }
+        if STATE.count_wire:
+            record["_wchar0"] = _wchar()
+        STATE.recent.append(record)
+        STATE.current.append(record)
+        if STATE.records is not None:
+            STATE.records.append(record)
+        result = function(*args, **kwargs)
+        if result is not None and hasattr(result, "wait") and hasattr(result, "is_completed"):
+            return _TracedWork(result, record)
+        _finish(record)
+        return result
+
+    traced.__wrapped__ = function
+    traced.__name__ = name
+    traced.__doc__ = function.__doc__
+    return traced
+
+
+def install(count_wire=True):
+    """Replace the public communication functions of torch.distributed with traced ones."""
+    STATE.count_wire = count_wire and _wchar() is not None
+    for name in COLLECTIVES + POINT_TO_POINT:
+        function = getattr(dist, name, None)
+        if function is None or getattr(function, "_labkit", False):
+            continue
+        traced = _wrap(name, function, name in POINT_TO_POINT)
+        traced._labkit = True
+        setattr(dist, name, traced)
+
+
+def public(record):
+    """A record as plain data (safe to send to the kernel)."""
+    return {k: v for k, v in record.items() if not k.startswith("_")}
+
+
+def start_tracing():
+    STATE.records = []
+
+
+def stop_tracing():
+    records, STATE.records = STATE.records or [], None
+    return [public(r) for r in records]
+
+
+def snapshot():
+    """What the hang diagnosis needs: the recent records and the ops still in flight."""
+    return {
+        "recent": [public(r) for r in list(STATE.recent)],
+        "current": [public(r) for r in list(STATE.current)],
+        "collective_counts": {str(list(k)): v for k, v in STATE.collective_seq.items()},
+        "now": time.time(),
+    }
+
+
+def set_fault(plan):
+    STATE.fault = plan
+    STATE.count_since_fault = 0

@@ -1,0 +1,89 @@
+"""Kernel side: read each rank's stdout and stderr pipes and show the lines, labelled by rank.
+
+The kernel's main thread reads the pipes while it waits for a call to finish (no reader threads:
+nothing to leak), so the lines appear live in the cell, in order per rank, and as plain text in
+a headless run. A rank writes a marker to both pipes after each task; a call returns only once
+both markers are read, so no line of a call can turn up in a later cell.
+"""
+
+import os
+import sys
+
+MARKER_START = b"\x1elabkit-done:"
+MARKER_END = b"\x1e\n"
+
+
+class RankOutput:
+    """The two output pipes of one rank."""
+
+    def __init__(self, rank, label_width, out_reader, err_reader):
+        self.rank = rank
+        self.readers = (out_reader, err_reader)   # Connections: keep them to close them
+        out_fd, err_fd = out_reader.fileno(), err_reader.fileno()
+        self.label = f"[rank {rank:>{label_width}}] "
+        self.buffers = {out_fd: bytearray(), err_fd: bytearray()}
+        self.kind = {out_fd: "out", err_fd: "err"}
+        self.markers = {out_fd: set(), err_fd: set()}
+        self.closed = set()
+        self.lines = []          # (stream, text) shown since the last `take_lines`
+        self.echo = True
+
+    def open_fds(self):
+        return [fd for fd in self.buffers if fd not in self.closed]
+
+    def complete(self, task_id):
+        """Both streams have passed the end of task `task_id` (or are closed)."""
+        return all(fd in self.closed or str(task_id) in self.markers[fd] for fd in self.buffers)
+
+    def read(self, fd):
+        try:
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        buffer = self.buffers[fd]
+        if not data:
+            self.closed.add(fd)
+            if buffer:
+                self._emit(fd, bytes(buffer))
+                buffer.clear()
+            return
+        buffer += data
+        self._scan(fd)
+
+    def _scan(self, fd):
+        buffer = self.buffers[fd]
+        while True:
+            start = buffer.find(MARKER_START)
+            text_end = start if start >= 0 else buffer.rfind(b"\n") + 1
+            if text_end > 0:
+                text = bytes(buffer[:text_end])
+                for line in text.splitlines():
+                    self._emit(fd, line)
+                del buffer[:text_end]
+            if start < 0:
+                return
+            end = buffer.find(MARKER_END)
+            if end < 0:
+                return  # the rest of the marker has not arrived yet
+            task_id = buffer[len(MARKER_START):end].decode(errors="replace")
+            self.markers[fd].add(task_id)
+            del buffer[:end + len(MARKER_END)]
+
+    def _emit(self, fd, raw):
+        text = raw.decode(errors="replace").rstrip("\r")
+        stream = self.kind[fd]
+        self.lines.append((stream, text))
+        if self.echo:
+            target = sys.stdout if stream == "out" else sys.stderr
+            print(self.label + text, file=target, flush=True)
+
+    def take_lines(self):
+        lines, self.lines = self.lines, []
+        return lines
+
+    def close(self):
+        self.closed.update(self.buffers)
+        for reader in self.readers:
+            reader.close()

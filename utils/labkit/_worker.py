@@ -1,0 +1,249 @@
+"""Rank side: the long-lived process behind one rank of a `World`.
+
+The kernel talks to a rank over three channels:
+- `commands`: a duplex Connection; the rank's main thread serves it (call, exec, trace, fault, stop);
+- `diagnostics`: a duplex Connection served by a small thread, so a rank stuck inside a
+  collective can still say where it is (its stack and its last communication ops);
+- its file descriptors 1 and 2, redirected into two pipes the kernel reads, so output printed by
+  Python and by C++ alike reaches the cell. After each task the rank writes a marker to both, and
+  the kernel returns only once it has read both markers: output is drained before a call returns.
+
+This module is preloaded by the forkserver, so a new rank starts from a process that has already
+imported torch.
+"""
+
+import ast
+import ctypes
+import linecache
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from labkit import _hooks
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+MARKER = "\x1elabkit-done:{}\x1e\n"
+
+
+class RankState:
+    rank = None
+    world_size = None
+    device = torch.device("cpu")
+    backend = None
+    namespace = None
+
+
+STATE = RankState()
+
+
+def _die_with_parent():
+    """Ask Linux to SIGKILL this rank when its parent (the forkserver) goes away."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _user_frames(frames):
+    """Keep the frames of the student's code: drop labkit's, torch's and the stdlib runner's."""
+    kept = [f for f in frames
+            if not f.filename.startswith(PACKAGE_DIR) and not f.filename.startswith(TORCH_DIR)
+            and "/multiprocessing/" not in f.filename and "/threading.py" not in f.filename]
+    return kept
+
+
+def format_exception(error):
+    frames = _user_frames(traceback.extract_tb(error.__traceback__))
+    lines = ["Traceback (most recent call last, your code):\n"]
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(error), error)
+    return "".join(lines)
+
+
+def current_stack(thread_id):
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "(no stack: the thread has ended)"
+    frames = _user_frames(traceback.extract_stack(frame))
+    if not frames:
+        return "(no frame of your code: the rank is inside labkit or torch)"
+    return "".join(traceback.format_list(frames))
+
+
+def _flush_all(marker):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)  # C/C++ stdio buffers too
+    except (OSError, AttributeError):
+        pass
+    data = marker.encode()
+    os.write(1, data)
+    os.write(2, data)
+
+
+def _register_sources(sources):
+    for filename, lines in (sources or {}).items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value.detach()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        converted = [_to_cpu(v) for v in value]
+        return type(value)(*converted) if hasattr(value, "_fields") else tuple(converted)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _run_source(source, filename):
+    """Run a `%%ranks` cell in this rank's namespace; return the last expression's value."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), STATE.namespace)
+    if last is not None:
+        return eval(compile(last, filename, "eval"), STATE.namespace)
+    return None
+
+
+def _serve_diagnostics(connection, main_thread_id):
+    while True:
+        try:
+            request = connection.recv()
+        except (EOFError, OSError):
+            return
+        if request == "diag":
+            reply = _hooks.snapshot()
+            reply["stack"] = current_stack(main_thread_id)
+            reply["pid"] = os.getpid()
+            try:
+                connection.send(reply)
+            except (OSError, BrokenPipeError):
+                return
+
+
+def _init_process_group(settings):
+    backend = settings["backend"]
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if gpus < settings["world_size"]:
+            raise RuntimeError(
+                f"backend 'nccl' needs one GPU per rank: world size {settings['world_size']}, "
+                f"GPUs visible to rank {settings['rank']}: {gpus}")
+        STATE.device = torch.device("cuda", settings["rank"])
+        torch.cuda.set_device(STATE.device)
+    dist.set_debug_level(dist.DebugLevel.DETAIL if settings["teaching"] else dist.DebugLevel.OFF)
+    store = dist.TCPStore(settings["host"], settings["port"], is_master=False,
+                          timeout=timedelta(seconds=60))
+    store = dist.PrefixStore(settings["prefix"], store)
+    kwargs = {"device_id": STATE.device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=settings["rank"],
+                            world_size=settings["world_size"],
+                            timeout=timedelta(seconds=settings["pg_timeout"]), **kwargs)
+
+
+def main(settings, commands, diagnostics, out_writer, err_writer):
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the kernel handles interrupts for us
+    os.dup2(out_writer.fileno(), 1)
+    os.dup2(err_writer.fileno(), 2)
+    out_writer.close()
+    err_writer.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    os.environ["LABKIT_RANK"] = str(settings["rank"])
+    torch.set_num_threads(settings["threads"])
+    STATE.rank, STATE.world_size = settings["rank"], settings["world_size"]
+    STATE.backend = settings["backend"]
+    try:
+        _init_process_group(settings)
+        _hooks.install(count_wire=settings["backend"] == "gloo")
+    except BaseException as error:  # noqa: BLE001 - reported to the kernel, then exit
+        commands.send(("fail", f"{type(error).__name__}: {error}"))
+        _flush_all(MARKER.format("start"))
+        os._exit(3)
+    STATE.namespace = {"__name__": "__rank__", "rank": STATE.rank,
+                       "world_size": STATE.world_size, "dist": dist, "torch": torch,
+                       "device": STATE.device}
+    exec("import labkit", STATE.namespace)
+    threading.Thread(target=_serve_diagnostics, args=(diagnostics, threading.get_ident()),
+                     daemon=True, name="labkit-diagnostics").start()
+    commands.send(("ready", {"pid": os.getpid(), "device": str(STATE.device)}))
+    _flush_all(MARKER.format("start"))
+    _serve(commands)
+
+
+def _serve(commands):
+    while True:
+        try:
+            message = commands.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the kernel went away
+        kind = message[0]
+        if kind in ("call", "exec"):
+            _run_task(commands, message)
+        elif kind == "trace":
+            if message[1]:
+                _hooks.start_tracing()
+                commands.send(("traced", None))
+            else:
+                commands.send(("traced", _hooks.stop_tracing()))
+        elif kind == "fault":
+            _hooks.set_fault(message[1])
+            commands.send(("fault-set", None))
+        elif kind == "stop":
+            try:
+                dist.destroy_process_group()
+            finally:
+                commands.send(("stopped", None))
+                _flush_all(MARKER.format("stop"))
+                os._exit(0)
+
+
+def _run_task(commands, message):
+    kind, task_id, payload, sources = message
+    try:
+        _register_sources(sources)
+        if kind == "call":
+            function, args, kwargs = cloudpickle.loads(payload)
+            result = function(*args, **kwargs)
+        else:
+            result = _run_source(payload, sources["__filename__"])
+        result = _to_cpu(result)
+        try:
+            data = pickle.dumps(result)
+        except Exception as error:  # noqa: BLE001
+            raise TypeError(f"the value returned by rank {STATE.rank} cannot be sent back to "
+                            f"the kernel ({type(result).__name__}): {error}. Return plain data: "
+                            f"tensors, numbers, lists, dicts.") from None
+        reply = ("ok", task_id, data)
+    except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
+        reply = ("err", task_id, {"type": type(error).__name__, "message": str(error),
+                                  "traceback": format_exception(error)})
+    _flush_all(MARKER.format(task_id))
+    commands.send(reply)
+
+
+def device():
+    """This rank's device: `cuda:<rank>` under NCCL, `cpu` under gloo (and in the kernel)."""
+    return STATE.device
+

@@ -1,0 +1,166 @@
+"""Execute every course notebook and every lab solution headless, as CI and `make course` do.
+
+    python -m labkit.build                      # small, CPU/gloo unless every rank can have a GPU
+    python -m labkit.build --world 4 --backend nccl --scale large
+    python -m labkit.build --only 00            # notebooks whose path contains "00"
+
+Each notebook runs under papermill with its `parameters` cell overridden (WORLD_SIZE, BACKEND,
+SCALE), in its own folder, in a fresh kernel. The executed copy goes to
+build/executed/<same path>.ipynb and an HTML rendering to build/html/<same path>.html; the sources
+are never written to. One progress line per notebook, a summary table at the end, exit code 1 if
+any notebook failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KERNEL = "labkit"  # installed into the virtual environment by `make setup`
+
+
+@dataclass
+class Result:
+    notebook: Path            # relative to the root
+    status: str               # "ok" or "FAILED"
+    seconds: float
+    executed: Path
+    html: Path | None
+    error: str = field(default="")
+
+
+def find_notebooks(root: Path, only: str | None = None) -> list[Path]:
+    """course/*.ipynb in chapter order, then solutions/<lab>/*.ipynb in lab order."""
+    found = sorted((root / "course").glob("*.ipynb")) + sorted((root / "solutions").glob("*/*.ipynb"))
+    found = [p.relative_to(root) for p in found if ".ipynb_checkpoints" not in p.parts]
+    return [p for p in found if only is None or only in str(p)]
+
+
+def pick_kernel() -> str | None:
+    """The course kernel if installed; else None (papermill then uses the notebook's own)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    return KERNEL if KERNEL in KernelSpecManager().find_kernel_specs() else None
+
+
+def has_parameters_cell(path: Path) -> bool:
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return any("parameters" in c.get("metadata", {}).get("tags", []) for c in cells)
+
+
+def render_html(executed: Path, html: Path) -> None:
+    import nbformat
+    from nbconvert import HTMLExporter
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+    html.parent.mkdir(parents=True, exist_ok=True)
+    html.write_text(body, encoding="utf-8")
+
+
+def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel: str | None,
+                cell_timeout: int) -> Result:
+    import papermill
+    executed = out / "executed" / notebook
+    html = out / "html" / notebook.with_suffix(".html")
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    status, error = "ok", ""
+    if not has_parameters_cell(root / notebook):
+        status, error = "FAILED", "no cell tagged 'parameters' (papermill would inject blindly)"
+    else:
+        try:
+            papermill.execute_notebook(
+                str(root / notebook), str(executed), parameters=parameters,
+                kernel_name=kernel, cwd=str((root / notebook).parent),
+                execution_timeout=cell_timeout, progress_bar=False, log_output=False,
+                report_mode=False)
+        except Exception as exc:  # PapermillExecutionError, CellTimeoutError, DeadKernelError...
+            status = "FAILED"
+            error = _short_error(exc)
+    seconds = time.perf_counter() - start
+    try:
+        render_html(executed, html) if executed.exists() else None
+    except Exception as exc:  # a rendering problem must not hide the execution result
+        error = error or f"HTML rendering failed: {exc}"
+    return Result(notebook, status, seconds, executed, html if html.exists() else None, error)
+
+
+def _short_error(exc: Exception) -> str:
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = getattr(exc, "evalue", str(exc))
+    cell = getattr(exc, "exec_count", None)
+    where = f" in cell [{cell}]" if cell is not None else ""
+    return f"{ename}{where}: {str(evalue).strip().splitlines()[0] if str(evalue).strip() else ''}"
+
+
+def summary_table(results: list[Result], root: Path) -> str:
+    def rel(p: Path | None) -> str:
+        if p is None:
+            return "-"
+        try:
+            return str(p.resolve().relative_to(root.resolve()))
+        except ValueError:
+            return str(p)
+    rows = [("notebook", "status", "time", "executed copy", "html")]
+    rows += [(str(r.notebook), r.status, f"{r.seconds:6.1f}s", rel(r.executed) if r.executed.exists()
+              else "-", rel(r.html)) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="WORLD_SIZE: ranks per world (2)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                        help="BACKEND: auto picks nccl when every rank can have a GPU, else gloo")
+    parser.add_argument("--scale", default="small", choices=["small", "large"],
+                        help="SCALE: problem sizes (small for CPUs and CI)")
+    parser.add_argument("--only", default=None, help="run only notebooks whose path contains this")
+    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (.)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (ROOT/build)")
+    parser.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell (600)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world < 1:
+        print(f"labkit build: --world must be >= 1, got {args.world}", file=sys.stderr)
+        return 2
+    root = args.root.resolve()
+    out = (args.out or root / "build").resolve()
+    notebooks = find_notebooks(root, args.only)
+    if not notebooks:
+        print(f"labkit build: no notebooks under {root}/course or {root}/solutions"
+              + (f" matching {args.only!r}" if args.only else ""), file=sys.stderr)
+        return 1
+    parameters = {"WORLD_SIZE": args.world, "BACKEND": args.backend, "SCALE": args.scale}
+    kernel = pick_kernel()
+    print(f"labkit build: {len(notebooks)} notebooks, WORLD_SIZE={args.world} "
+          f"BACKEND={args.backend} SCALE={args.scale}, kernel {kernel or '(from notebook)'}",
+          flush=True)
+    results, total_start = [], time.perf_counter()
+    for i, notebook in enumerate(notebooks, 1):
+        print(f"[{i}/{len(notebooks)}] {notebook} ...", end="", flush=True)
+        result = execute_one(root, notebook, out, parameters, kernel, args.cell_timeout)
+        results.append(result)
+        print(f" {result.status} ({result.seconds:.1f}s)", flush=True)
+        if result.error:
+            print(f"      {result.error}", flush=True)
+    table = summary_table(results, root)
+    failed = [r for r in results if r.status != "ok"]
+    total = time.perf_counter() - total_start
+    print("\n" + table)
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed in {total:.1f}s")
+    (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.build", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

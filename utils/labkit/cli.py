@@ -1,0 +1,44 @@
+"""The `labkit` command: one entry point, one subcommand per module.
+
+    labkit build [--world 2] [--backend auto] [--scale small] [--only PATTERN]
+    labkit release [--check]
+
+Each subcommand lives in its own module, imported only when that subcommand runs (so `labkit
+release` never imports torch). To add one, add a row to SUBCOMMANDS: the module must define
+`add_arguments(parser)` and `run(args) -> int` (the exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Keep it a plain table: other subcommands are added here.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "build": ("labkit.build", "execute every course notebook and lab solution headless"),
+    "release": ("labkit.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser.print_help()
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nlabkit: unknown command {argv[0]!r}; known: {', '.join(SUBCOMMANDS)}",
+                  file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"labkit {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    return int(module.run(sub_parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

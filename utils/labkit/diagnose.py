@@ -1,0 +1,112 @@
+"""Kernel side: turn what each rank says about itself into a hang diagnosis a student can read.
+
+Every rank keeps its last communication ops (see `_hooks`). When a call times out, is
+interrupted, or a rank is left waiting after another failed, the kernel asks each live rank (over
+its diagnostics channel, served by a thread that answers even while the rank sits inside a
+collective) for those ops and its current stack, and this module writes the report:
+
+    rank 0: waiting in all_reduce #2 on ranks [0, 1]: float32[4] (for 2.9 s)
+    rank 1: not in a collective; last: broadcast #1 on ranks [0, 1] (finished)
+    => rank 1 never issued all_reduce #2 on ranks [0, 1], which rank 0 is waiting in.
+"""
+
+import time
+from multiprocessing.connection import wait
+
+
+def collect(connections, seconds=2.0):
+    """Ask every rank in `connections` ({rank: diag Connection}) where it is; None if no answer."""
+    answers = {rank: None for rank in connections}
+    asked = {}
+    for rank, connection in connections.items():
+        try:
+            connection.send("diag")
+            asked[connection] = rank
+        except (OSError, BrokenPipeError):
+            pass
+    deadline = time.monotonic() + seconds
+    while asked and time.monotonic() < deadline:
+        for connection in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
+            rank = asked.pop(connection)
+            try:
+                answers[rank] = connection.recv()
+            except (EOFError, OSError):
+                pass
+    return answers
+
+
+def describe_op(record):
+    tensors = ", ".join(f"{dtype}{list(shape)}"
+                        for dtype, shape in zip(record["dtypes"], record["shapes"]))
+    where = (f"peer {record['peer']}" if record["peer"] is not None
+             else f"ranks {list(record['group'])}")
+    return f"{record['op']} #{record['seq']} on {where}" + (f": {tensors}" if tensors else "")
+
+
+def _indent(text, prefix="      "):
+    return "".join(prefix + line + "\n" for line in text.rstrip("\n").splitlines())
+
+
+def report(answers, exited=None):
+    """The per-rank text, then who never joined the collective that others wait in.
+
+    `answers`: {rank: snapshot or None}; `exited`: {rank: why} for ranks that are gone.
+    """
+    exited = exited or {}
+    lines = []
+    waiting = {}  # (group, seq) -> (op, [ranks waiting])
+    for rank in sorted(set(answers) | set(exited)):
+        if rank in exited:
+            lines.append(f"rank {rank}: {exited[rank]}")
+            continue
+        answer = answers[rank]
+        if answer is None:
+            lines.append(f"rank {rank}: did not answer (stuck outside Python, e.g. in C++ "
+                         f"holding the interpreter lock)")
+            continue
+        now = answer["now"]
+        current = [r for r in answer["current"] if not r["finished"]]
+        if current:
+            record = current[0]
+            lines.append(f"rank {rank}: waiting in {describe_op(record)} "
+                         f"(for {now - record['t_start']:.1f} s)")
+            if record["peer"] is None:
+                key = (tuple(record["group"]), record["seq"])
+                waiting.setdefault(key, (record["op"], []))[1].append(rank)
+        else:
+            lines.append(f"rank {rank}: not in a collective")
+        done = [r for r in answer["recent"] if r["finished"]][-3:]
+        if done:
+            lines.append("    last finished: " + "; ".join(describe_op(r) for r in done))
+        lines.append("    stack (your code):")
+        lines.append(_indent(answer["stack"]).rstrip("\n"))
+    lines.append("")
+    lines += _missing(waiting, answers, exited)
+    return "\n".join(lines)
+
+
+def _missing(waiting, answers, exited):
+    """For each collective someone waits in, the ranks of its group that never issued it."""
+    verdicts = []
+    for (group, seq), (op, waiters) in sorted(waiting.items()):
+        absent = []
+        for rank in group:
+            if rank in waiters:
+                continue
+            answer = answers.get(rank)
+            issued = 0 if answer is None else answer["collective_counts"].get(str(list(group)), 0)
+            if rank in exited or answer is None or issued < seq:
+                absent.append(rank)
+        if absent:
+            who = ", ".join(map(str, absent))
+            verb = "never issued" if len(absent) == 1 else "never issued"
+            verdicts.append(f"=> rank{'s' if len(absent) > 1 else ''} {who} {verb} {op} #{seq} "
+                            f"on ranks {list(group)}, which rank"
+                            f"{'s' if len(waiters) > 1 else ''} "
+                            f"{', '.join(map(str, waiters))} "
+                            f"{'are' if len(waiters) > 1 else 'is'} waiting in.")
+        else:
+            verdicts.append(f"=> every rank of {list(group)} issued {op} #{seq}; they wait on "
+                            f"each other: check that all ranks call the same collectives in "
+                            f"the same order with matching sizes and dtypes.")
+    return verdicts

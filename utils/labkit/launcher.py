@@ -1,0 +1,510 @@
+"""Kernel side: a persistent world of rank processes, started once and reused by every call.
+
+Design (the measurements behind it are in shared/notes/launching-ranks.md):
+- Ranks come from a forkserver that has preloaded torch: a fresh world of 4 starts in a fraction
+  of a second, and no rank is ever forked from the kernel (a fork after any OpenMP op hangs, and
+  a fork after CUDA was touched cannot use CUDA).
+- Rendezvous through one TCPStore hosted by the kernel on a port the OS picks, bound to
+  127.0.0.1, with a key prefix per world generation: no fixed port, no clash between restarts.
+- Functions are shipped by value (cloudpickle), with the source of your cells, so a rank's
+  traceback shows your lines.
+- The kernel's main thread does all the waiting: it reads the ranks' output pipes, their replies
+  and their process sentinels together, so an interrupt lands in a place that can diagnose and
+  clean up.
+"""
+
+import atexit
+import itertools
+import linecache
+import multiprocessing
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from multiprocessing.connection import wait
+
+import cloudpickle
+
+from labkit import diagnose
+from labkit._output import RankOutput
+from labkit.errors import (CallInterrupted, CallTimeout, PicklingError, RankDied, RankError,
+                           WorldError)
+
+GRACE_SECONDS = 1.5        # how long ranks may keep running after another rank failed
+START_SECONDS = 120.0      # a cold world on a busy 2-core machine, forkserver start included
+MEMORY_PER_RANK = 200 << 20
+BACKENDS = ("auto", "gloo", "nccl")
+
+_CURRENT = None
+_STORE = None
+_GENERATION = itertools.count(1)
+
+
+def _context():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["labkit._worker"])
+    return context
+
+
+def _store():
+    """One TCPStore per kernel, on a port the OS picks; worlds use their own key prefix."""
+    global _STORE
+    if _STORE is None:
+        import torch.distributed as dist
+        from datetime import timedelta
+        _STORE = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=60))
+    return _STORE
+
+
+def gpu_count():
+    """GPUs visible to ranks, found without initialising CUDA in this process."""
+    if not os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    count = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def max_world_size():
+    """How many ranks this machine can hold: ~200 MiB each, at most 8 per core."""
+    cores = os.cpu_count() or 1
+    try:
+        import psutil
+        available = psutil.virtual_memory().available
+    except ImportError:
+        available = 8 << 30
+    return max(1, min(8 * cores, available // MEMORY_PER_RANK)), cores, available
+
+
+def _resolve_backend(size, backend):
+    if backend not in BACKENDS:
+        raise WorldError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "gloo":
+        return "gloo"
+    gpus = gpu_count()
+    if backend == "nccl" and gpus < size:
+        raise WorldError(
+            f"backend='nccl' needs one GPU per rank: world size ({size}) > GPUs visible ({gpus}). "
+            f"Use backend='gloo' to run on CPU, or backend='auto' to pick NCCL only where it fits.")
+    return "nccl" if gpus >= size else "gloo"
+
+
+class _Rank:
+    """The kernel's handles on one rank process."""
+
+    def __init__(self, rank, process, commands, diagnostics, output):
+        self.rank = rank
+        self.process = process
+        self.commands = commands
+        self.diagnostics = diagnostics
+        self.output = output
+
+    def alive(self):
+        return self.process.is_alive()
+
+    def close(self, kill=True):
+        if kill and self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        for connection in (self.commands, self.diagnostics):
+            connection.close()
+        self.output.close()
+        self.process.close()
+
+
+class World:
+    """A group of `size` rank processes holding a torch.distributed process group.
+
+    Build it with `labkit.world(n)`. `run` and `call` run a function on the ranks; `tracing`
+    records their communication; `close` stops them.
+    """
+
+    def __init__(self, size, backend="auto", timeout=60.0, teaching=True):
+        self.size = size
+        self.requested_backend = backend
+        self.timeout = timeout
+        self.teaching = teaching
+        self.backend = _resolve_backend(size, backend)
+        self.settings = (size, backend, timeout, teaching)
+        self._ranks = []
+        self._broken = None       # why the world must be restarted before the next call
+        self._closed = False
+        self._tasks = itertools.count(1)
+        self._sent_sources = set()
+        self.last_output = {}     # rank -> [(stream, line)] of the last call
+        self._start()
+
+    def __repr__(self):
+        state = "closed" if self._closed else ("to restart" if self._broken else "running")
+        return (f"World(size={self.size}, backend={self.backend!r}, teaching={self.teaching}, "
+                f"{state})")
+
+    @property
+    def alive(self):
+        return not self._closed and not self._broken and all(r.alive() for r in self._ranks)
+
+    # -- start and stop -------------------------------------------------------------------
+    def _start(self):
+        context = _context()
+        store = _store()
+        generation = next(_GENERATION)
+        threads = max(1, (os.cpu_count() or 1) // self.size)
+        width = len(str(self.size - 1))
+        from labkit import _worker
+        for rank in range(self.size):
+            commands, commands_child = context.Pipe(duplex=True)
+            diagnostics, diagnostics_child = context.Pipe(duplex=True)
+            out_reader, out_writer = context.Pipe(duplex=False)
+            err_reader, err_writer = context.Pipe(duplex=False)
+            settings = {"rank": rank, "world_size": self.size, "backend": self.backend,
+                        "teaching": self.teaching, "host": "127.0.0.1", "port": store.port,
+                        "prefix": f"labkit/world{generation}/",
+                        "pg_timeout": self.timeout + 60, "threads": threads}
+            process = context.Process(
+                target=_worker.main, name=f"labkit-rank-{rank}", daemon=True,
+                args=(settings, commands_child, diagnostics_child, out_writer, err_writer))
+            process.start()
+            for child_end in (commands_child, diagnostics_child, out_writer, err_writer):
+                child_end.close()
+            output = RankOutput(rank, width, out_reader, err_reader)
+            self._ranks.append(_Rank(rank, process, commands, diagnostics, output))
+        self._sent_sources = set()
+        self._await_ready()
+
+    def _await_ready(self):
+        ready, failures = set(), {}
+        deadline = time.monotonic() + START_SECONDS
+        while len(ready) + len(failures) < self.size:
+            if time.monotonic() > deadline:
+                failures.update({r: "did not start in time" for r in range(self.size)
+                                 if r not in ready and r not in failures})
+                break
+            for rank, message in self._pump(list(range(self.size)), 0.1):
+                if message is None:
+                    failures[rank] = f"exited with code {self._ranks[rank].process.exitcode}"
+                elif message[0] == "ready":
+                    ready.add(rank)
+                else:
+                    failures[rank] = message[1]
+        if failures:
+            self._stop_all(kill=True)
+            self._closed = True
+            detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+            raise WorldError(f"the world of {self.size} ranks ({self.backend}) could not start: "
+                             f"{detail}")
+
+    def _stop_all(self, kill):
+        for rank in self._ranks:
+            rank.close(kill=kill)
+        self._ranks = []
+
+    def close(self):
+        """Stop every rank (gracefully if it answers, else SIGKILL). Safe to call twice."""
+        global _CURRENT
+        if self._closed:
+            return
+        self._closed = True
+        for rank in self._ranks:
+            if rank.alive() and not self._broken:
+                try:
+                    rank.commands.send(("stop",))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 3.0
+        while any(r.alive() for r in self._ranks) and time.monotonic() < deadline:
+            self._pump([r.rank for r in self._ranks if r.alive()], 0.05, quiet=True)
+        self._stop_all(kill=True)
+        if _CURRENT is self:
+            _CURRENT = None
+
+    def _restart_if_needed(self):
+        if self._closed:
+            raise WorldError("this world is closed; create a new one with labkit.world(n)")
+        if self._broken or not all(r.alive() for r in self._ranks):
+            why = self._broken or "a rank process had ended"
+            print(f"labkit: restarting the world of {self.size} ranks ({why}); variables "
+                  f"defined in earlier %%ranks cells are gone.", file=sys.stderr)
+            self._stop_all(kill=True)
+            self._broken = None
+            self._start()
+
+    # -- the wait loop ------------------------------------------------------------------------
+    def _pump(self, ranks, timeout, quiet=False):
+        """Wait up to `timeout` s; read output; return [(rank, message or None if it died)]."""
+        handles = {}
+        for rank in ranks:
+            r = self._ranks[rank]
+            handles[r.commands] = ("msg", r)
+            handles[r.process.sentinel] = ("died", r)
+            for fd in r.output.open_fds():
+                handles[fd] = ("out", r)
+        for r in self._ranks:  # keep draining the output of every rank
+            for fd in r.output.open_fds():
+                handles.setdefault(fd, ("out", r))
+        messages = []
+        for handle in wait(list(handles), timeout=timeout):
+            kind, r = handles[handle]
+            if kind == "out":
+                r.output.echo = not quiet
+                r.output.read(handle)
+            elif kind == "msg":
+                try:
+                    messages.append((r.rank, r.commands.recv()))
+                except (EOFError, OSError):
+                    messages.append((r.rank, None))
+            elif not r.commands.poll():
+                messages.append((r.rank, None))
+        return messages
+
+    # -- running code ---------------------------------------------------------------------
+    def run(self, fn, *args, ranks=None, **kwargs):
+        """Run `fn(*args, **kwargs)` on the ranks; return the results, one per rank.
+
+        `ranks` (a list of ranks) restricts the call; results then follow that list's order.
+        """
+        return self.call(fn, args, kwargs, ranks=ranks)
+
+    def call(self, fn, args=(), kwargs=None, ranks=None, timeout=None):
+        """Like `run`, with explicit `args`/`kwargs` and a per-call `timeout` in seconds."""
+        if not callable(fn):
+            raise TypeError(f"World.run needs a function to run on the ranks, got "
+                            f"{type(fn).__name__}")
+        payload = _serialize(fn, tuple(args), dict(kwargs or {}))
+        return self._dispatch("call", payload, ranks, timeout)
+
+    def run_source(self, source, ranks=None, timeout=None, filename=None):
+        """Run Python source on the ranks, each in its own persistent namespace (`%%ranks`).
+
+        Returns the value of the source's last expression on each rank (None if it has none).
+        """
+        return self._dispatch("exec", source, ranks, timeout, filename=filename)
+
+    def _targets(self, ranks):
+        if ranks is None:
+            return list(range(self.size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        ranks = list(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.size]
+        if bad or not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must be distinct ranks of this world (0..{self.size - 1}), "
+                             f"got {ranks}")
+        return ranks
+
+    def _new_sources(self):
+        """Source lines of notebook cells the ranks have not seen yet (for their tracebacks)."""
+        sources = {}
+        for filename, entry in list(linecache.cache.items()):
+            if filename in self._sent_sources or len(entry) < 3 or not entry[2]:
+                continue
+            if "ipykernel_" in filename or filename.startswith("<ipython-input"):
+                sources[filename] = entry[2]
+                self._sent_sources.add(filename)
+        return sources
+
+    def _dispatch(self, kind, payload, ranks, timeout, filename=None):
+        targets = self._targets(ranks)
+        timeout = self.timeout if timeout is None else timeout
+        self._restart_if_needed()
+        task_id = next(self._tasks)
+        sources = self._new_sources()
+        if kind == "exec":
+            sources["__filename__"] = filename or f"<ranks cell {task_id}>"
+        for r in self._ranks:
+            r.output.take_lines()
+            r.output.echo = True
+        for rank in targets:
+            try:
+                self._ranks[rank].commands.send((kind, task_id, payload, sources))
+            except OSError:
+                pass  # the rank is gone: its sentinel reports it below
+        started = time.monotonic()
+        try:
+            outcome = self._collect(targets, task_id, started + timeout)
+        except KeyboardInterrupt:
+            diagnosis = self._diagnose_and_stop(targets, {})
+            raise CallInterrupted(
+                f"interrupted after {time.monotonic() - started:.1f} s; where each rank was:\n\n"
+                f"{diagnosis}\nThe world restarts on the next call.", diagnosis) from None
+        finally:
+            self.last_output = {r.rank: r.output.take_lines() for r in self._ranks}
+        results, errors, deaths, stuck = outcome
+        if stuck is not None and not errors and not deaths:
+            diagnosis = self._diagnose_and_stop(targets, {})
+            raise CallTimeout(f"the call on ranks {targets} did not finish within {timeout:g} s "
+                              f"(a hang?). Where each rank was:\n\n{diagnosis}\n"
+                              f"The world restarts on the next call.", diagnosis)
+        if errors or deaths:
+            self._raise_failure(targets, errors, deaths, stuck)
+        return [pickle.loads(results[rank]) for rank in targets]
+
+    def _collect(self, targets, task_id, deadline):
+        """Wait for every target's reply and output marker; stop early on failure + grace."""
+        results, errors, deaths = {}, {}, {}
+        grace_deadline = None
+        while True:
+            pending = [r for r in targets if r not in results and r not in errors
+                       and r not in deaths]
+            undrained = [r for r in targets if not self._ranks[r].output.complete(task_id)]
+            if not pending and not undrained:
+                return results, errors, deaths, None
+            now = time.monotonic()
+            if pending and grace_deadline is not None and now > grace_deadline:
+                return results, errors, deaths, pending
+            if now > deadline:
+                return results, errors, deaths, pending or undrained
+            for rank, message in self._pump(pending or undrained, 0.1):
+                if message is None:
+                    if rank not in results and rank not in errors:
+                        deaths[rank] = self._ranks[rank].process.exitcode
+                elif message[0] == "ok" and message[1] == task_id:
+                    results[rank] = message[2]
+                elif message[0] == "err" and message[1] == task_id:
+                    errors[rank] = message[2]
+            if (errors or deaths) and grace_deadline is None:
+                grace_deadline = time.monotonic() + GRACE_SECONDS
+            # a dead rank's pipes reach EOF, which makes its output "complete"
+            for rank in deaths:
+                self._ranks[rank].process.join(timeout=0)
+
+    def _diagnose_and_stop(self, targets, exited):
+        answers = diagnose.collect({r.rank: r.diagnostics for r in self._ranks
+                                    if r.rank in targets and r.alive() and r.rank not in exited})
+        text = diagnose.report(answers, exited)
+        self._broken = "the last call did not finish"
+        self._stop_all(kill=True)
+        return text
+
+    def _raise_failure(self, targets, errors, deaths, stuck):
+        parts = []
+        if stuck:
+            exited = {r: (f"raised {errors[r]['type']}" if r in errors else
+                          f"died (exit code {deaths[r]})") for r in list(errors) + list(deaths)}
+            parts.append(f"Ranks {stuck} were still running {GRACE_SECONDS:g} s after that and "
+                         f"were stopped. Where they were:\n\n"
+                         + self._diagnose_and_stop(stuck, exited)
+                         + "\nThe world restarts on the next call.")
+        elif deaths:
+            self._broken = "a rank died"
+            self._stop_all(kill=True)
+            parts.append("The world restarts on the next call.")
+        if deaths:
+            rank = min(deaths)
+            code = deaths[rank]
+            how = (f"was killed by signal {-code}" if code is not None and code < 0
+                   else f"exited with code {code}")
+            raise RankDied(f"rank {rank} {how} without finishing the call (ranks that died: "
+                           f"{sorted(deaths)}). " + "\n".join(parts), rank, code)
+        rank = next(iter(errors))   # the first rank whose error arrived
+        first = errors[rank]
+        others = [f"rank {r} raised too: {e['type']}: {e['message'].splitlines()[0][:200]}"
+                  for r, e in errors.items() if r != rank and e["message"]]
+        message = (f"rank {rank} raised {first['type']}: {first['message']}\n\n"
+                   f"{first['traceback']}" + "".join(f"\n{o}" for o in others)
+                   + "".join(f"\n\n{p}" for p in parts))
+        raise RankError(message, rank, first["traceback"],
+                        {r: e["traceback"] for r, e in errors.items()})
+
+    # -- tracing and faults -----------------------------------------------------------------
+    def _control(self, rank, message, expect):
+        self._restart_if_needed()
+        r = self._ranks[rank]
+        r.commands.send(message)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for got_rank, reply in self._pump([rank], 0.1):
+                if reply is None:
+                    raise RankDied(f"rank {rank} died while answering {message[0]!r}", rank,
+                                   r.process.exitcode)
+                if reply[0] == expect:
+                    return reply[1]
+        raise CallTimeout(f"rank {rank} did not answer {message[0]!r} within 30 s", "")
+
+    def tracing(self):
+        """Record every communication op of the calls made inside `with world.tracing() as t:`."""
+        from labkit.trace import Trace
+        return Trace(self)
+
+    def inject_fault(self, rank, at_collective, action="exit", seconds=0.0):
+        """Make `rank` hard-exit (`action="exit"`) or sleep `seconds` (`"sleep"`) just before
+        its `at_collective`-th communication op from now (1-based). Fires once."""
+        self._targets([rank])
+        if action not in ("exit", "sleep"):
+            raise ValueError(f"action must be 'exit' or 'sleep', got {action!r}")
+        if not isinstance(at_collective, int) or at_collective < 1:
+            raise ValueError(f"at_collective counts from 1, got {at_collective!r}")
+        if action == "sleep" and seconds <= 0:
+            raise ValueError(f"a 'sleep' fault needs seconds > 0, got {seconds!r}")
+        self._control(rank, ("fault", {"at": at_collective, "action": action,
+                                       "seconds": float(seconds)}), "fault-set")
+
+
+def _serialize(fn, args, kwargs):
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as error:  # noqa: BLE001 - find the culprit and say which it is
+        named = [("the function", fn)] + [(f"argument {i + 1}", a) for i, a in enumerate(args)]
+        named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+        for name, value in named:
+            try:
+                cloudpickle.dumps(value)
+            except Exception as inner:  # noqa: BLE001
+                raise PicklingError(
+                    f"{name} ({type(value).__name__}) cannot be sent to the ranks: "
+                    f"{type(inner).__name__}: {inner}. Ranks are separate processes: pass plain "
+                    f"data (tensors, numbers, lists, dicts) and build other objects (files, "
+                    f"locks, generators, models with hooks) inside the function.") from None
+        raise PicklingError(f"the call cannot be sent to the ranks: {error}") from None
+
+
+def world(n, backend="auto", timeout=60.0, teaching=True):
+    """The current world of `n` ranks; the same settings reuse it, other settings replace it.
+
+    backend: "auto" (NCCL if there is a GPU per rank, else gloo), "gloo" or "nccl".
+    timeout: seconds a call may take before it is diagnosed as a hang and the ranks stopped.
+    teaching: check every collective for mismatched ops, sizes and dtypes across ranks (a few
+        ms per collective; turn it off for bandwidth measurements).
+    """
+    global _CURRENT
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise WorldError(f"world size must be an int, got {n!r}")
+    limit, cores, available = max_world_size()
+    if n < 1 or n > limit:
+        raise WorldError(f"world size must be between 1 and {limit} on this machine "
+                         f"({cores} cores, {available / 2**30:.1f} GiB free, ~200 MiB per rank), "
+                         f"got {n}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise WorldError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    settings = (n, backend, float(timeout), bool(teaching))
+    if _CURRENT is not None and not _CURRENT._closed and _CURRENT.settings == settings:
+        return _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.close()
+    _CURRENT = World(n, backend, float(timeout), bool(teaching))
+    return _CURRENT
+
+
+def current():
+    """The world `labkit.world` returned last, or None."""
+    return _CURRENT if _CURRENT is not None and not _CURRENT._closed else None
+
+
+def shutdown_all():
+    """Close the current world and the rendezvous store: no rank, port or thread is left."""
+    global _STORE
+    if _CURRENT is not None:
+        _CURRENT.close()
+    _STORE = None
+
+
+atexit.register(shutdown_all)
