@@ -39,6 +39,7 @@ class _State:
         self.count_since_fault = 0
         self.fault = None            # {"at": k, "action": "exit"|"sleep", "seconds": s}
         self.count_wire = True
+        self.failed_op = None        # the record of the last op that raised, until reported
 
 
 STATE = _State()
@@ -93,7 +94,13 @@ class _TracedWork:
         self._record = record
 
     def wait(self, *args, **kwargs):
-        result = self._work.wait(*args, **kwargs)
+        try:
+            result = self._work.wait(*args, **kwargs)
+        except BaseException:
+            self._record["failed"] = True
+            STATE.failed_op = self._record
+            _finish(self._record)
+            raise
         _finish(self._record)
         return result
 
@@ -149,6 +156,7 @@ def _wrap(name, function, point_to_point):
             "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
             "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "wire_bytes_sent": None, "t_start": time.time(), "t_end": None, "finished": False,
+            "failed": False,
         }
         if STATE.count_wire:
             record["_wchar0"] = _wchar()
@@ -156,7 +164,13 @@ def _wrap(name, function, point_to_point):
         STATE.current.append(record)
         if STATE.records is not None:
             STATE.records.append(record)
-        result = function(*args, **kwargs)
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            record["failed"] = True
+            STATE.failed_op = record
+            _finish(record)
+            raise
         if result is not None and hasattr(result, "wait") and hasattr(result, "is_completed"):
             return _TracedWork(result, record)
         _finish(record)

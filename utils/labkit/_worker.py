@@ -60,7 +60,8 @@ def _user_frames(frames):
     """Keep the frames of the student's code: drop labkit's, torch's and the stdlib runner's."""
     kept = [f for f in frames
             if not f.filename.startswith(PACKAGE_DIR) and not f.filename.startswith(TORCH_DIR)
-            and "/multiprocessing/" not in f.filename and "/threading.py" not in f.filename]
+            and "/multiprocessing/" not in f.filename and "/threading.py" not in f.filename
+            and f.filename != "<string>"]
     return kept
 
 
@@ -238,7 +239,9 @@ def _run_task(commands, message):
         reply = ("ok", task_id, data)
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
         reply = ("err", task_id, {"type": type(error).__name__, "message": str(error),
-                                  "traceback": format_exception(error)})
+                                  "traceback": format_exception(error),
+                                  "in_communication": _hooks.STATE.failed_op is not None})
+        _hooks.STATE.failed_op = None
     _flush_all(MARKER.format(task_id))
     commands.send(reply)
 

@@ -10,8 +10,32 @@ collective) for those ops and its current stack, and this module writes the repo
     => rank 1 never issued all_reduce #2 on ranks [0, 1], which rank 0 is waiting in.
 """
 
+import re
 import time
 from multiprocessing.connection import wait
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
+                          r"TensorDtypes=(\w+)")
+_DIFFERENCE = re.compile(r"Collectives differ in the following aspects:\s*(.*)", re.S)
+
+
+def summarize_mismatch(message):
+    """A one-line reading of torch's DETAIL collective-mismatch error, or None if it is not one.
+
+    torch prints two long fingerprints; a student needs: who called what, and what differs.
+    """
+    prints = _FINGERPRINT.findall(message)
+    if len(prints) < 2:
+        return None
+    calls = [f"rank {rank} called {op.lower()}(shape [{shape}], {dtype}) as its collective #{seq}"
+             for rank, seq, op, shape, dtype in prints[:2]]
+    difference = _DIFFERENCE.search(message)
+    aspects = " ".join(difference.group(1).split()) if difference else "their fingerprints"
+    aspects = re.sub(r"\s*vs\s*", " vs ", re.sub(r"\s*Tensor Tensor", " tensor", aspects)).strip()
+    return (f"collective mismatch: {calls[0]}, but {calls[1]}; they differ in: {aspects}. "
+            f"Every rank must call the same collectives, in the same order, with the same "
+            f"sizes and dtypes.")
 
 
 def collect(connections, seconds=2.0):
@@ -99,8 +123,7 @@ def _missing(waiting, answers, exited):
                 absent.append(rank)
         if absent:
             who = ", ".join(map(str, absent))
-            verb = "never issued" if len(absent) == 1 else "never issued"
-            verdicts.append(f"=> rank{'s' if len(absent) > 1 else ''} {who} {verb} {op} #{seq} "
+            verdicts.append(f"=> rank{'s' if len(absent) > 1 else ''} {who} never issued {op} #{seq} "
                             f"on ranks {list(group)}, which rank"
                             f"{'s' if len(waiters) > 1 else ''} "
                             f"{', '.join(map(str, waiters))} "

@@ -14,6 +14,8 @@ Design (the measurements behind it are in shared/notes/launching-ranks.md):
 """
 
 import atexit
+import collections
+import io
 import itertools
 import linecache
 import multiprocessing
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from multiprocessing.connection import wait
 
 import cloudpickle
@@ -366,6 +369,7 @@ class World:
             for rank, message in self._pump(pending or undrained, 0.1):
                 if message is None:
                     if rank not in results and rank not in errors:
+                        self._ranks[rank].process.join(timeout=1)
                         deaths[rank] = self._ranks[rank].process.exitcode
                 elif message[0] == "ok" and message[1] == task_id:
                     results[rank] = message[2]
@@ -373,9 +377,6 @@ class World:
                     errors[rank] = message[2]
             if (errors or deaths) and grace_deadline is None:
                 grace_deadline = time.monotonic() + GRACE_SECONDS
-            # a dead rank's pipes reach EOF, which makes its output "complete"
-            for rank in deaths:
-                self._ranks[rank].process.join(timeout=0)
 
     def _diagnose_and_stop(self, targets, exited):
         answers = diagnose.collect({r.rank: r.diagnostics for r in self._ranks
@@ -405,11 +406,18 @@ class World:
                    else f"exited with code {code}")
             raise RankDied(f"rank {rank} {how} without finishing the call (ranks that died: "
                            f"{sorted(deaths)}). " + "\n".join(parts), rank, code)
+        if any(e.get("in_communication") for e in errors.values()) and not self._broken:
+            # a collective failed part-way: the process group may hold half-done work
+            self._broken = "a collective failed"
+            parts.append("A collective failed, so the world restarts on the next call.")
         rank = next(iter(errors))   # the first rank whose error arrived
         first = errors[rank]
-        others = [f"rank {r} raised too: {e['type']}: {e['message'].splitlines()[0][:200]}"
-                  for r, e in errors.items() if r != rank and e["message"]]
-        message = (f"rank {rank} raised {first['type']}: {first['message']}\n\n"
+        headline = (diagnose.summarize_mismatch(first["message"])
+                    or _first_line(first["message"]))
+        others = [f"rank {r} raised too: {e['type']}: "
+                  f"{diagnose.summarize_mismatch(e['message']) or _first_line(e['message'])}"
+                  for r, e in errors.items() if r != rank]
+        message = (f"rank {rank} raised {first['type']}: {headline}\n\n"
                    f"{first['traceback']}" + "".join(f"\n{o}" for o in others)
                    + "".join(f"\n\n{p}" for p in parts))
         raise RankError(message, rank, first["traceback"],
@@ -449,15 +457,38 @@ class World:
                                        "seconds": float(seconds)}), "fault-set")
 
 
+def _first_line(text, limit=300):
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _code_reduce_keeping_filename(code):
+    """cloudpickle renames every shipped code object's file to "<dynamic-code>"; keep the real
+    name, so a rank's traceback can show the cell's lines (sent along with the call)."""
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce_keeping_filename},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(value):
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def _serialize(fn, args, kwargs):
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return _dumps((fn, args, kwargs))
     except Exception as error:  # noqa: BLE001 - find the culprit and say which it is
         named = [("the function", fn)] + [(f"argument {i + 1}", a) for i, a in enumerate(args)]
         named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
         for name, value in named:
             try:
-                cloudpickle.dumps(value)
+                _dumps(value)
             except Exception as inner:  # noqa: BLE001
                 raise PicklingError(
                     f"{name} ({type(value).__name__}) cannot be sent to the ranks: "
