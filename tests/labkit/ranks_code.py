@@ -1,0 +1,105 @@
+"""Functions the launcher tests run on ranks (a module, so tracebacks have real lines)."""
+import ctypes
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_size():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def summed(x):
+    t = torch.tensor([float(x + dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def chatty(lines):
+    for i in range(lines):
+        print(f"line {i}")
+    os.write(1, b"from the file descriptor\n")
+    ctypes.CDLL(None).printf(b"from C printf\n")
+    print("to stderr", file=__import__("sys").stderr)
+    return dist.get_rank()
+
+
+def raises_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"rank {bad_rank} fails on purpose")
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t
+
+
+def sizes_differ():
+    t = torch.ones(4 if dist.get_rank() == 0 else 5)
+    dist.all_reduce(t)
+
+
+def dtypes_differ(same_bytes):
+    other = torch.int32 if same_bytes else torch.float64
+    t = torch.ones(4, dtype=torch.float32 if dist.get_rank() == 0 else other)
+    dist.all_reduce(t)
+
+
+def order_swapped():
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+    else:
+        dist.broadcast(t, 0)
+        dist.all_reduce(t)
+
+
+def skips_collective(lazy_rank):
+    t = torch.ones(4)
+    dist.broadcast(t, 0)
+    if dist.get_rank() != lazy_rank:
+        dist.all_reduce(t)
+    else:
+        time.sleep(120)
+
+
+def never_returns():
+    while True:
+        time.sleep(0.01)
+
+
+def exits_hard(bad_rank, how):
+    if dist.get_rank() == bad_rank:
+        if how == "exit":
+            os._exit(9)
+        os.kill(os.getpid(), 9)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+
+
+def returns_unpicklable():
+    return (i for i in range(3))
+
+
+def traffic(n):
+    x = torch.ones(n)
+    dist.all_reduce(x)
+    out = torch.empty(n * dist.get_world_size())
+    dist.all_gather_into_tensor(out, x)
+    if dist.get_rank() == 0:
+        dist.send(x, 1)
+    elif dist.get_rank() == 1:
+        dist.recv(x, 0)
+    return x.sum().item()
+
+
+def collectives(k):
+    t = torch.ones(2)
+    for _ in range(k):
+        dist.all_reduce(t)
+    return t[0].item()
+
+
+def pids():
+    return os.getpid()

@@ -1,0 +1,187 @@
+"""The launcher on real gloo ranks: results, output, reuse, and every bad-input case."""
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import labkit
+from labkit.launcher import max_world_size
+
+import ranks_code as rc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_every_rank_runs_and_returns_its_result(world2):
+    assert world2.run(rc.rank_and_size) == [(0, 2), (1, 2)]
+    assert world2.run(rc.summed, 10) == [21.0, 21.0]
+    assert world2.run(rc.rank_and_size, ranks=[1]) == [(1, 2)]
+
+
+def test_world_of_four_all_reduce():
+    world = labkit.world(4, timeout=20)
+    assert world.run(rc.summed, 1) == [10.0] * 4   # 4 * 1 + (0 + 1 + 2 + 3)
+    labkit.shutdown_all()
+
+
+def test_same_settings_reuse_the_world_other_settings_replace_it():
+    first = labkit.world(2, timeout=20)
+    pids = first.run(rc.pids)
+    assert labkit.world(2, timeout=20) is first
+    assert first.run(rc.pids) == pids
+    second = labkit.world(2, timeout=21)
+    assert second is not first and not first.alive
+    assert set(second.run(rc.pids)).isdisjoint(pids)
+    labkit.shutdown_all()
+
+
+def test_output_is_labelled_in_order_and_drained_before_return(world2, capfd):
+    world2.run(rc.chatty, 30)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] line ")]
+        assert lines == [f"[rank {rank}] line {i}" for i in range(30)]
+        assert f"[rank {rank}] from the file descriptor" in out
+        assert f"[rank {rank}] from C printf" in out
+        assert f"[rank {rank}] to stderr" in err
+    assert [line for _, line in world2.last_output[0]][:2] == ["line 0", "line 1"]
+
+
+def test_a_rank_error_names_the_rank_and_shows_its_source_line(world2):
+    started = time.monotonic()
+    with pytest.raises(labkit.RankError) as caught:
+        world2.run(rc.raises_on, 1)
+    elapsed = time.monotonic() - started
+    error = caught.value
+    assert error.rank == 1
+    assert "rank 1 raised ValueError: rank 1 fails on purpose" in str(error)
+    assert "raise ValueError" in error.traceback and "ranks_code.py" in error.traceback
+    # rank 0 waited in all_reduce for rank 1: stopped after the grace period, not the timeout
+    assert elapsed < 10, elapsed
+    assert "rank 0: waiting in all_reduce #1" in str(error)
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]   # the next call works
+
+
+@pytest.mark.parametrize("function, args, expected", [
+    (rc.sizes_differ, (), "tensor shapes"),
+    (rc.dtypes_differ, (False,), "tensor dtypes"),
+    (rc.dtypes_differ, (True,), "tensor dtypes"),    # float32 vs int32: same byte count
+    (rc.order_swapped, (), "Op type"),
+])
+def test_mismatched_collectives_are_named_within_a_second(world2, function, args, expected):
+    started = time.monotonic()
+    with pytest.raises(labkit.RankError) as caught:
+        world2.run(function, *args)
+    assert time.monotonic() - started < 3
+    assert "collective mismatch" in str(caught.value) and expected in str(caught.value)
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+def test_a_skipped_collective_is_diagnosed_at_the_timeout(world2):
+    started = time.monotonic()
+    with pytest.raises(labkit.CallTimeout) as caught:
+        world2.call(rc.skips_collective, (1,), timeout=3)
+    assert time.monotonic() - started < 8
+    diagnosis = caught.value.diagnosis
+    seq = re.search(r"rank 0: waiting in all_reduce #(\d+)", diagnosis).group(1)
+    assert "rank 1: not in a collective" in diagnosis
+    assert "time.sleep(120)" in diagnosis                      # rank 1's own stack
+    assert f"rank 1 never issued all_reduce #{seq} on ranks [0, 1]" in diagnosis
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+def test_a_call_that_never_returns_times_out(world2):
+    with pytest.raises(labkit.CallTimeout) as caught:
+        world2.call(rc.never_returns, timeout=2)
+    assert "in never_returns" in caught.value.diagnosis
+    assert world2.run(rc.rank_and_size) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_rank_that_dies_is_named_and_the_world_comes_back(world2, how):
+    started = time.monotonic()
+    with pytest.raises(labkit.RankDied) as caught:
+        world2.run(rc.exits_hard, 1, how)
+    assert time.monotonic() - started < 10
+    assert caught.value.rank == 1
+    assert caught.value.exitcode == (9 if how == "exit" else -9)
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+def test_an_interrupt_during_a_collective_diagnoses_and_cleans_up(world2):
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(labkit.CallInterrupted) as caught:
+        world2.call(rc.skips_collective, (1,), timeout=60)
+    assert re.search(r"rank 1 never issued all_reduce #\d+", caught.value.diagnosis)
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+def test_unpicklable_arguments_and_results_get_clear_errors(world2):
+    with pytest.raises(labkit.PicklingError, match="argument 1 \\(generator\\)"):
+        world2.run(rc.summed, (i for i in range(3)))
+    with pytest.raises(labkit.RankError, match="cannot be sent back"):
+        world2.run(rc.returns_unpicklable)
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("size", [0, -1, 10**6, "4", True, 2.0])
+def test_bad_world_sizes_are_refused(size):
+    with pytest.raises(labkit.WorldError):
+        labkit.world(size)
+
+
+def test_nccl_without_gpus_fails_at_once():
+    if labkit.gpu_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    started = time.monotonic()
+    with pytest.raises(labkit.WorldError, match="needs one GPU per rank"):
+        labkit.world(2, backend="nccl")
+    assert time.monotonic() - started < 2
+
+
+def test_the_size_limit_is_stated():
+    limit, cores, _ = max_world_size()
+    with pytest.raises(labkit.WorldError, match=f"between 1 and {limit}"):
+        labkit.world(limit + 1)
+
+
+def test_trace_counts_bytes_against_the_ring_formula():
+    world = labkit.world(4, timeout=30, teaching=False)
+    n = 1 << 18
+    with world.tracing() as trace:
+        world.run(rc.traffic, n)
+    size = 4
+    for rank in range(size):
+        (reduce,) = trace.ops(rank, "all_reduce")
+        assert reduce["tensor_bytes"] == n * 4 and reduce["finished"]
+        # ring all-reduce: each rank sends 2(P-1)/P of the data; gloo adds small headers
+        assert reduce["wire_bytes_sent"] == pytest.approx(2 * (size - 1) / size * n * 4, rel=0.01)
+        (gather,) = trace.ops(rank, "all_gather_into_tensor")
+        assert gather["wire_bytes_sent"] == pytest.approx((size - 1) * n * 4, rel=0.01)
+    (send,) = trace.ops(0, "send")
+    assert send["peer"] == 1 and send["wire_bytes_sent"] == pytest.approx(n * 4, rel=0.01)
+    assert trace.ops(1, "recv")[0]["peer"] == 0
+    assert trace.bytes_sent(2) == sum(r["wire_bytes_sent"] for r in trace.ops(2))
+    assert "all_reduce" in trace.table()
+    labkit.shutdown_all()
+
+
+def test_fault_injection_exit_and_straggler(world2):
+    world2.inject_fault(1, at_collective=3, action="exit")
+    with pytest.raises(labkit.RankDied) as caught:
+        world2.run(rc.collectives, 5)
+    assert caught.value.rank == 1 and caught.value.exitcode == 17
+    world2.inject_fault(0, at_collective=2, action="sleep", seconds=0.5)
+    with world2.tracing() as trace:
+        world2.run(rc.collectives, 3)
+    second = {r["rank"]: r for r in trace.ops(op="all_reduce") if r["seq"] == 2}
+    # rank 1 entered collective #2 on time and waited ~0.5 s for the straggler
+    waited = second[1]["t_end"] - second[1]["t_start"]
+    assert waited > 0.4, waited
+    with pytest.raises(ValueError):
+        world2.inject_fault(5, at_collective=1)

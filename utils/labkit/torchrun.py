@@ -1,0 +1,100 @@
+"""Run a rank function under `torchrun` (env:// rendezvous), on one node or several.
+
+The functions you run with `world.run(fn, ...)` in a notebook run unchanged here:
+
+    labkit torchrun --nproc-per-node 4 mypackage.mymodule:step 10 0.5
+    labkit torchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29400 \\
+        --nproc-per-node 8 mypackage.mymodule:step
+
+Arguments after the function are read as Python literals where they parse (10 -> int), else
+kept as strings. Each rank prints its return value as `[rank k] result: ...`.
+Under the hood this is `torchrun ... -m labkit.torchrun --entry module:function args...`.
+"""
+
+import argparse
+import ast
+import importlib
+import os
+import subprocess
+import sys
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(prog="labkit torchrun", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=0,
+                        help="0 (single node only): let torchrun pick a free port")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    parser.add_argument("target", help="module:function to run on every rank")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    options = _parse_args(sys.argv[1:] if argv is None else argv)
+    if ":" not in options.target:
+        raise SystemExit(f"labkit torchrun: expected module:function, got {options.target!r}")
+    if options.nnodes > 1 and options.master_port == 0:
+        raise SystemExit("labkit torchrun: several nodes need an agreed --master-port")
+    command = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={options.nproc_per_node}", f"--nnodes={options.nnodes}"]
+    if options.nnodes == 1 and options.master_port == 0:
+        command.append("--standalone")   # torchrun picks a free port itself
+    else:
+        command += [f"--node-rank={options.node_rank}", f"--master-addr={options.master_addr}",
+                    f"--master-port={options.master_port}"]
+    command += ["-m", "labkit.torchrun", "--entry", options.target,
+                "--backend", options.backend, *options.args]
+    return subprocess.call(command)
+
+
+def _literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def entry(argv):
+    """What each rank runs: init from env://, install labkit's hooks, call the function."""
+    import torch
+    import torch.distributed as dist
+    from labkit import _hooks, _worker
+    parser = argparse.ArgumentParser(prog="labkit.torchrun --entry")
+    parser.add_argument("--entry", required=True)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = options.backend
+    if backend == "auto":
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = "nccl" if torch.cuda.is_available() and \
+            torch.cuda.device_count() >= local_size else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        _worker.STATE.device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(_worker.STATE.device)
+        kwargs["device_id"] = _worker.STATE.device
+    dist.init_process_group(backend, init_method="env://", **kwargs)
+    _worker.STATE.rank, _worker.STATE.world_size = dist.get_rank(), dist.get_world_size()
+    _worker.STATE.backend = backend
+    _hooks.install(count_wire=backend == "gloo")
+    module_name, function_name = options.entry.split(":", 1)
+    function = getattr(importlib.import_module(module_name), function_name)
+    try:
+        result = function(*[_literal(a) for a in options.args])
+        print(f"[rank {dist.get_rank()}] result: {result!r}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "--entry" in sys.argv[1:]:
+        entry(sys.argv[1:])
+    else:
+        sys.exit(main())
