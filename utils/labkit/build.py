@@ -13,7 +13,9 @@ any notebook failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,11 +60,30 @@ def render_html(executed: Path, html: Path) -> None:
     html.write_text(body, encoding="utf-8")
 
 
+@contextlib.contextmanager
+def _stderr_to(path: Path):
+    """Send this process's stderr (file descriptor 2, inherited by the kernel) to a log file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w", encoding="utf-8") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel: str | None,
                 cell_timeout: int) -> Result:
     import papermill
     executed = out / "executed" / notebook
     html = out / "html" / notebook.with_suffix(".html")
+    log = out / "logs" / notebook.with_suffix(".log")
+    for stale in (executed, html):
+        stale.unlink(missing_ok=True)
     executed.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     status, error = "ok", ""
@@ -70,17 +91,18 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
         status, error = "FAILED", "no cell tagged 'parameters' (papermill would inject blindly)"
     else:
         try:
-            papermill.execute_notebook(
-                str(root / notebook), str(executed), parameters=parameters,
-                kernel_name=kernel, cwd=str((root / notebook).parent),
-                execution_timeout=cell_timeout, progress_bar=False, log_output=False,
-                report_mode=False)
+            with _stderr_to(log):  # kernel and papermill chatter: kept, off the progress line
+                papermill.execute_notebook(
+                    str(root / notebook), str(executed), parameters=parameters,
+                    kernel_name=kernel, cwd=str((root / notebook).parent),
+                    execution_timeout=cell_timeout, progress_bar=False, log_output=False)
         except Exception as exc:  # PapermillExecutionError, CellTimeoutError, DeadKernelError...
             status = "FAILED"
-            error = _short_error(exc)
+            error = f"{_short_error(exc)} (kernel log: {log})"
     seconds = time.perf_counter() - start
     try:
-        render_html(executed, html) if executed.exists() else None
+        if executed.exists():
+            render_html(executed, html)
     except Exception as exc:  # a rendering problem must not hide the execution result
         error = error or f"HTML rendering failed: {exc}"
     return Result(notebook, status, seconds, executed, html if html.exists() else None, error)

@@ -25,6 +25,9 @@ MARKERS = (SOLUTION_BEGIN, SOLUTION_END, HIDDEN_BEGIN, HIDDEN_END, _B + "MARK SC
 
 # A secret line shorter than this is too generic to call a leak (`return total`, `dist.barrier()`).
 MIN_LEAK_CHARS = 24
+# A secret line this long is a leak on its own; a shorter one only next to another secret line
+# (one generic line such as `except labkit.RankError as error:` can be written independently).
+LONE_LEAK_CHARS = 48
 SCANNED_SUFFIXES = {".py", ".ipynb", ".md", ".txt", ".json", ".toml", ".cfg", ".yml", ".yaml"}
 
 
@@ -163,11 +166,14 @@ def leak_problems(root: Path, places: tuple[str, ...] = ("labs", "utils", "cours
             if not path.is_file() or path.suffix not in SCANNED_SUFFIXES or "build" in path.parts:
                 continue
             where = path.relative_to(root)
-            for number, line in enumerate(_text_lines(path), 1):
-                if (place == "labs" or path.suffix == ".ipynb") and any(m in line for m in MARKERS):
+            lines = [_normal(line) for line in _text_lines(path)]
+            lines = [(number, text) for number, text in enumerate(lines, 1) if text]
+            hits = [text in secrets for _, text in lines]
+            for i, (number, text) in enumerate(lines):
+                if (place == "labs" or path.suffix == ".ipynb") and any(m in text for m in MARKERS):
                     problems.append(f"{where}: line {number} holds an nbgrader marker")
-                text = _normal(line)
-                if text in secrets:
+                beside = (i > 0 and hits[i - 1]) or (i + 1 < len(hits) and hits[i + 1])
+                if hits[i] and (len(text) >= LONE_LEAK_CHARS or beside):
                     problems.append(f"{where}: line {number} is text from {secrets[text]}: {text!r}")
     return problems
 
