@@ -1,0 +1,131 @@
+"""What a student does and sees in a JupyterLab notebook tab, as Playwright steps.
+
+    nb = NotebookPage(page, server)
+    nb.open("course/00_x.ipynb")        # waits until the kernel really is idle (see the race below)
+    nb.run_all(); nb.wait_executed(timeout_s=60)
+    nb.outputs(3)                       # [(mime type, visible text), ...] of the 4th cell
+    nb.add_cell_and_run("%%ranks\\nprint(rank)")
+
+Every wait is bounded; the selectors are the ones measured in shared/notes/browser-testing.md.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+from playwright.sync_api import Page, expect
+
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"   # the notebook tab in front
+STATUS_TEXT = "#jp-main-statusbar .jp-StatusBar-TextItem"
+STDERR = "application/vnd.jupyter.stderr"         # errors and tracebacks render with this type too
+
+
+class NotebookPage:
+    def __init__(self, page: Page, server):
+        self.page = page
+        self.server = server
+        self.panel = page.locator(PANEL)
+
+    # -- opening ---------------------------------------------------------------------------------
+    def open(self, path: str, timeout_s: float = 30) -> None:
+        self.page.goto(self.server.url(f"lab/tree/{path}"))
+        self.panel.wait_for(timeout=timeout_s * 1000)
+        self.wait_kernel_idle(timeout_s)
+
+    def kernel_status(self) -> str:
+        texts = self.page.locator(STATUS_TEXT).all_inner_texts()
+        return next((t for t in texts if " | " in t), "")
+
+    def wait_kernel_idle(self, timeout_s: float = 30) -> None:
+        """The toolbar's indicator reads idle while the kernel still starts, and a Run All sent
+        then is dropped; the status bar's "<kernel> | Idle" is only shown once it is ready."""
+        deadline = time.monotonic() + timeout_s
+        while not self.kernel_status().endswith("| Idle"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kernel not idle after {timeout_s} s: {self.kernel_status()!r}")
+            time.sleep(0.1)
+
+    # -- running ---------------------------------------------------------------------------------
+    def run_all(self) -> None:
+        self.page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        self.page.locator("li[data-command='runmenu:run-all']").click()  # unique, unlike the name
+
+    def prompts(self) -> list[str]:
+        return self.panel.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+
+    def wait_executed(self, timeout_s: float, cells: list[int] | None = None) -> None:
+        """Waits until the given code cells (all by default) show an execution count, not [*]."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            prompts = self.prompts()
+            chosen = prompts if cells is None else [prompts[i] for i in cells]
+            if chosen and all(re.fullmatch(r"\[\d+\]:", p.strip()) for p in chosen):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cells not done after {timeout_s} s; prompts: {prompts}")
+            time.sleep(0.1)
+
+    def wait_running(self, cell: int, timeout_s: float = 10) -> None:
+        expect(self.code_cell(cell).locator(".jp-InputPrompt")).to_have_text(
+            re.compile(r"\[\*\]"), timeout=timeout_s * 1000)
+
+    def interrupt(self) -> None:
+        """The stop button (square) of the notebook's toolbar."""
+        self.panel.locator("[data-command='notebook:interrupt-kernel']").click()
+
+    def run_cell(self, index: int) -> None:
+        """Clicks into a code cell and runs it with Ctrl+Enter (the focus stays on it)."""
+        self.code_cell(index).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Control+Enter")
+
+    def add_cell_and_run(self, source: str, timeout_s: float = 30) -> int:
+        """Adds a cell below the last one, types source key by key, runs it (Ctrl+Enter: Shift+Enter
+        on the last cell would add yet another cell). Returns the new cell's code-cell index.
+        The editor auto-indents and closes brackets as it would for a person, so keep source free of
+        indented blocks; the typed text is checked before it runs."""
+        self.code_cell(-1).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Escape")           # command mode
+        self.page.keyboard.press("b")                # new cell below, selected
+        self.page.keyboard.press("Enter")            # edit mode
+        self.page.keyboard.type(source)
+        index = len(self.prompts()) - 1
+        typed = self.code_cell(index).locator(".cm-content").inner_text()
+        assert typed.strip() == source.strip(), f"the editor holds {typed!r}, not {source!r}"
+        self.page.keyboard.press("Control+Enter")
+        self.wait_executed(timeout_s, cells=[index])
+        return index
+
+    # -- reading ---------------------------------------------------------------------------------
+    def code_cell(self, index: int):
+        cells = self.panel.locator(".jp-CodeCell")
+        return cells.nth(cells.count() - 1 if index == -1 else index)
+
+    def outputs(self, index: int) -> list[tuple[str, str]]:
+        """(mime type, text a person sees) for each output of a code cell."""
+        return self.code_cell(index).locator(".jp-OutputArea-output").evaluate_all(
+            "els => els.map(e => [e.dataset.mimeType || '', e.innerText])")
+
+    def all_outputs(self) -> list[list[tuple[str, str]]]:
+        return [self.outputs(i) for i in range(len(self.prompts()))]
+
+    def text(self, index: int) -> str:
+        return "\n".join(t for _, t in self.outputs(index))
+
+    def errors(self) -> list[tuple[int, str]]:
+        return [(i, t) for i, outs in enumerate(self.all_outputs()) for m, t in outs if m == STDERR]
+
+    def code_cell_with(self, text: str) -> int:
+        """Index of the first code cell whose source contains text."""
+        sources = self.panel.locator(".jp-CodeCell .cm-content").all_inner_texts()
+        for i, s in enumerate(sources):
+            if text in s:
+                return i
+        raise LookupError(f"no code cell contains {text!r}")
+
+    def kernel_id(self) -> str:
+        """The running kernel of this notebook, from Lab's sessions API."""
+        path = re.search(r"/lab/tree/([^?]+)", self.page.url).group(1)
+        for s in self.server.api("GET", "api/sessions"):
+            if s["path"] == path and s.get("kernel"):
+                return s["kernel"]["id"]
+        raise LookupError(f"no kernel session for {path}")

@@ -1,0 +1,136 @@
+"""Scenarios 2-4 of the student's JupyterLab flow: `%%ranks` typed into a new cell, a deadlocked
+cell diagnosed within its timeout, and the stop button during a long distributed call.
+
+    .venv/bin/pytest tests/browser/test_ranks_in_lab.py -v
+
+Each works on a small scratch notebook (written by the test), so it does not depend on the course's
+chapters; scenarios 1 and 5 (test_chapter0.py) open the real chapter 0 files.
+"""
+import re
+import time
+
+import psutil
+import pytest
+
+from notebook_page import STDERR
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(90)]
+
+WORLD_SIZE = 3
+SETUP = f"""import time
+import torch
+import torch.distributed as dist
+import labkit
+world = labkit.world({WORLD_SIZE})
+%load_ext labkit"""
+
+
+def rank_lines(text: str) -> dict[int, list[str]]:
+    """The lines of a cell's output that carry a rank label, by rank."""
+    by_rank: dict[int, list[str]] = {}
+    for m in re.finditer(r"^\[rank\s*(\d+)\]\s?(.*)$", text, flags=re.M):
+        by_rank.setdefault(int(m.group(1)), []).append(m.group(2))
+    return by_rank
+
+
+def errors_in(outputs) -> list[str]:
+    """Error outputs (tracebacks); the restart notice labkit writes to stderr is not one."""
+    return [t for m, t in outputs if m == STDERR and not t.startswith("labkit: restarting")]
+
+
+def test_ranks_cell_typed_into_a_new_cell(nb, shot, scratch_notebook):
+    """Scenario 2: a student types a %%ranks cell below the setup cell and runs it."""
+    nb.open(scratch_notebook("ranks_typed", [SETUP]))
+    nb.run_cell(0)
+    nb.wait_executed(60, cells=[0])
+    assert nb.errors() == [], f"the setup cell failed: {nb.errors()}"
+
+    cell = nb.add_cell_and_run('%%ranks\nprint(f"hello from rank {rank} of {world_size}")')
+    text = nb.text(cell)
+    shot("output", nb.code_cell(cell))
+    assert errors_in(nb.outputs(cell)) == []
+    assert rank_lines(text) == {r: [f"hello from rank {r} of {WORLD_SIZE}"] for r in range(WORLD_SIZE)}, (
+        f"expected one labelled line per rank, the cell shows:\n{text}")
+
+
+def test_deadlock_is_diagnosed_within_the_timeout(nb, shot, scratch_notebook):
+    """Scenario 3: rank 1 skips an all_reduce the others wait in; the cell's timeout is 5 s."""
+    timeout_s = 5
+    deadlock = (f"%%ranks --timeout {timeout_s}\n"
+                "x = torch.ones(1)\n"
+                "if rank != 1:\n"
+                "    dist.all_reduce(x)   # rank 1 never joins\n")
+    after = "%%ranks\nprint('next cell on rank', rank)"
+    nb.open(scratch_notebook("deadlock", [SETUP, deadlock, after]))
+    nb.run_cell(0)
+    nb.wait_executed(60, cells=[0])
+
+    nb.run_cell(1)
+    nb.wait_running(1)
+    started = time.monotonic()
+    nb.wait_executed(timeout_s + 20, cells=[1])
+    elapsed = time.monotonic() - started
+    text = nb.text(1)
+    shot("diagnosis", nb.code_cell(1), end=True)
+    assert elapsed < timeout_s + 8, f"the diagnosis took {elapsed:.1f} s for a {timeout_s} s timeout"
+    assert "CallTimeout" in text, f"expected a CallTimeout in the cell, it shows:\n{text}"
+    verdicts = [line for line in text.splitlines() if "never" in line]
+    assert verdicts, f"the diagnosis does not say which rank never joined:\n{text}"
+    assert re.search(r"\brank 1\b", verdicts[0]) and not re.search(r"\branks? [02]\b", verdicts[0]), (
+        f"the verdict should name rank 1 (and only rank 1) as missing: {verdicts[0]!r}")
+
+    nb.run_cell(2)
+    nb.wait_executed(60, cells=[2])
+    shot("next-cell", nb.code_cell(2))
+    assert errors_in(nb.outputs(2)) == [], f"the next cell failed:\n{nb.text(2)}"
+    assert rank_lines(nb.text(2)) == {r: [f"next cell on rank {r}"] for r in range(WORLD_SIZE)}
+
+
+def rank_processes(nb) -> list[psutil.Process]:
+    """The kernel's descendants except multiprocessing's helpers (its forkserver, from which the
+    ranks are forked with the same command line, and its resource tracker): the rank processes."""
+    kernel = nb.server.kernel_process(nb.kernel_id())
+    helpers = [p for p in kernel.children() if re.search(
+        r"multiprocessing\.(forkserver|resource_tracker) import", " ".join(p.cmdline()))]
+    return [p for p in kernel.children(recursive=True) if p not in helpers]
+
+
+def test_stop_button_ends_a_long_call(nb, shot, scratch_notebook):
+    """Scenario 4: the stop button during a 60 s loop of all_reduces ends it within seconds, with
+    the diagnosis, and leaves no rank process."""
+    long_call = ("def long_step(seconds):\n"
+                 "    x = torch.ones(1)\n"
+                 "    for _ in range(int(seconds * 10)):\n"
+                 "        dist.all_reduce(x)\n"
+                 "        time.sleep(0.1)\n"
+                 "    return x.item()\n"
+                 "\n"
+                 "world.run(long_step, 60)")
+    nb.open(scratch_notebook("interrupt", [SETUP, long_call]))
+    nb.run_cell(0)
+    nb.wait_executed(60, cells=[0])
+    ranks_before = rank_processes(nb)
+
+    nb.run_cell(1)
+    nb.wait_running(1)
+    time.sleep(2.0)                                   # well inside the call
+    ranks_during = rank_processes(nb)
+    assert len(ranks_during) == WORLD_SIZE, f"expected {WORLD_SIZE} rank processes: {ranks_during}"
+    nb.interrupt()
+    pressed = time.monotonic()
+    nb.wait_executed(20, cells=[1])
+    elapsed = time.monotonic() - pressed
+    text = nb.text(1)
+    shot("diagnosis", nb.code_cell(1), end=True)
+    assert elapsed < 5, f"the call took {elapsed:.1f} s to end after the stop button"
+    assert "CallInterrupted" in text or "KeyboardInterrupt" in text, text
+    assert all(re.search(rf"^rank {r}: ", text, flags=re.M) for r in range(WORLD_SIZE)) and (
+        "all_reduce" in text), f"no per-rank diagnosis (where each rank was) in the cell:\n{text}"
+
+    deadline = time.monotonic() + 3.0                 # allow the kernel to reap them
+    left = nb.server.alive(ranks_before + ranks_during)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = nb.server.alive(left)
+    assert left == [], "rank processes still running after the stop button: " + "; ".join(
+        f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left)
