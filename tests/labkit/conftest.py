@@ -1,6 +1,3 @@
-import os
-
-import psutil
 import pytest
 
 import labkit
@@ -18,9 +15,3 @@ def _close_worlds():
     labkit.shutdown_all()
 
 
-def rank_processes():
-    """Live rank processes below this test process (the forkserver's children)."""
-    me = psutil.Process(os.getpid())
-    return [p for p in me.children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and "forkserver" not in " ".join(p.cmdline())]
