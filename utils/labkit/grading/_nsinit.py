@@ -1,0 +1,140 @@
+"""Process 1 of a grading sandbox: builds its private file view, then runs the kernel unprivileged.
+
+Started by `sandbox.py` as root, already inside new mount, network, PID, IPC and UTS namespaces:
+
+    unshare --mount --net --pid --ipc --uts --fork --kill-child -- python -I _nsinit.py SPEC.json
+
+Standalone on purpose (standard library only, no labkit import): it runs as root, before any
+student code, and must not depend on anything a student could have touched.
+
+What it does, in order:
+  1. makes every mount private (nothing below leaks to the host), joins the sandbox's cgroups,
+     brings the loopback interface up (ranks rendezvous over 127.0.0.1; nothing else is reachable);
+  2. builds a new root on a tmpfs: the system directories and the Python install read-only, a
+     fresh /tmp, /dev/shm and /proc, the submission's working folder read-write; nothing else
+     (no course repository, no gradebook, no other submission, no home directory);
+  3. forks; the child chroots there, drops to the sandbox user (no groups, no capabilities,
+     no_new_privs), sets resource limits and execs the kernel; this process stays root, reaps
+     orphans and exits with the kernel, which ends the PID namespace and every process in it.
+"""
+import ctypes
+import fcntl
+import json
+import os
+import resource
+import socket
+import struct
+import sys
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
+DEVICES = ["null", "zero", "full", "random", "urandom"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} -> {target} ({fstype}): {os.strerror(err)}")
+
+
+def _bind(source, target, read_only):
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    _mount(source, target, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_RDONLY if read_only else 0)
+    _mount(None, target, None, flags)
+
+
+def _loopback_up():
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = fcntl.ioctl(s, siocgifflags, struct.pack("16sH14s", b"lo", 0, b"\0" * 14))
+        flags = struct.unpack("16sH14s", ifr)[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up, b"\0" * 14))
+
+
+def build_root(spec):
+    root = spec["root"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=16m")
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            _bind(path, root + path, read_only=True)
+    for path in spec["read_only"]:      # the Python install, the labkit package
+        if os.path.exists(path) and not os.path.exists(root + path):
+            _bind(path, root + path, read_only=True)
+    # /dev: a few harmless devices, a private /dev/shm
+    os.makedirs(root + "/dev", exist_ok=True)
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
+    for name in DEVICES:
+        _bind("/dev/" + name, f"{root}/dev/{name}", read_only=False)
+    for name, target in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]:
+        os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/dev/shm")
+    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=1777,size={spec['tmp_bytes']}")
+    os.makedirs(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if os.path.isdir("/sys"):
+        _bind("/sys", root + "/sys", read_only=True)
+    for tmp in ["/tmp", "/var/tmp"]:
+        os.makedirs(root + tmp)
+        _mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=1777,size={spec['tmp_bytes']}")
+    _bind(spec["workdir"], root + spec["workdir"], read_only=False)
+
+
+def run_kernel(spec):
+    root = spec["root"]
+    os.chroot(root)
+    os.chdir(spec["workdir"])
+    os.setgroups([])
+    os.setgid(spec["gid"])
+    os.setuid(spec["uid"])
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    for name, value in spec["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    os.umask(0o077)
+    os.execve(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    for procs in spec["cgroups"]:            # our children inherit the cgroups
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    if spec["loopback"]:
+        _loopback_up()
+        socket.sethostname("localhost")     # own UTS namespace; resolvable, so gloo stays quiet
+    build_root(spec)
+    child = os.fork()
+    if child == 0:
+        try:
+            run_kernel(spec)
+        except BaseException as error:        # noqa: BLE001 (report anything, then leave)
+            os.write(2, f"labkit sandbox: cannot start the kernel: {error!r}\n".encode())
+        os._exit(111)
+    while True:                               # PID 1: reap orphans until the kernel exits
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        if pid == child:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+if __name__ == "__main__":
+    main()

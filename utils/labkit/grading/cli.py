@@ -1,0 +1,31 @@
+"""`labkit grade LAB SUBMISSIONS_DIR [--jobs N] [--out DIR]` (the table entry in labkit/cli.py)."""
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("lab", help="lab name, as in solutions/<LAB>/")
+    parser.add_argument("submissions", help="folder of <student_id>/ folders (nbgrader's "
+                        "submitted layout <student_id>/<LAB>/ works too)")
+    parser.add_argument("--jobs", "-j", type=int, default=None,
+                        help="submissions graded at once (default: the machine's cores)")
+    parser.add_argument("--out", default=None,
+                        help="where gradebook, grades.csv and feedback/ go "
+                             "(default: grading/<LAB>)")
+    parser.add_argument("--db", default=None, help="gradebook URL (default: sqlite in --out; "
+                        "postgresql://... for several graders)")
+    parser.add_argument("--course", default=None, help="course repository (default: the one "
+                        "containing the current folder)")
+    parser.add_argument("--time-limit", type=float, default=300.0,
+                        help="seconds per submission, everything included (default 300)")
+    parser.add_argument("--cell-timeout", type=float, default=60.0,
+                        help="seconds per cell or per call of a student function (default 60)")
+    parser.add_argument("--memory-gb", type=float, default=4.0,
+                        help="memory per submission, ranks included (default 4)")
+
+
+def run(args) -> int:
+    from labkit.grading.pipeline import grade
+    report = grade(args.lab, args.submissions, jobs=args.jobs, out=args.out, course=args.course,
+                   db_url=args.db, time_limit=args.time_limit, cell_timeout=args.cell_timeout,
+                   limits={"memory_bytes": int(args.memory_gb * (1 << 30))})
+    return 0 if report.results is not None else 1

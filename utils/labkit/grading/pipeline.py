@@ -1,0 +1,393 @@
+"""`labkit grade LAB SUBMISSIONS_DIR`: the whole run, from submissions to grades.csv and feedback.
+
+    from labkit.grading import grade
+    report = grade("lab00_first_collectives", "incoming/", jobs=2, out="grading/lab00")
+
+  1. gradebook: built from solutions/<LAB>/ with nbgrader's generate_assignment (into a private
+     release folder, never labs/), again whenever solutions/<LAB>/ changed;
+  2. submissions: SUBMISSIONS_DIR/<student>/[<LAB>/]<notebook>.ipynb, copied (no symlinks,
+     size-capped) into nbgrader's submitted layout under OUT/work/;
+  3. execution, in parallel: one process per submission (worker.py), each with its own sandbox
+     user and kernel; each writes OUT/work/results/<student>.json;
+  4. bookkeeping, in order: nbgrader autograde (InjectVerdicts instead of Execute) writes the
+     scores to the gradebook; nbgrader generate_feedback (ClearHiddenTests + ScrubHidden) writes
+     OUT/feedback/<student>/<LAB>/<notebook>.html, then every feedback file is checked for
+     hidden-test text; OUT/grades.csv and a printed summary close the run.
+OUT (default grading/<LAB>) is made private to the grader (mode 700): gradebook, copies, results.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+
+_STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]{0,99}$")
+MAX_NOTEBOOK_BYTES = 20 << 20
+
+
+@dataclasses.dataclass
+class StudentResult:
+    student: str
+    score: float
+    max_score: float
+    seconds: float
+    problems: list
+
+
+@dataclasses.dataclass
+class GradeReport:
+    lab: str
+    out: str
+    results: list
+    seconds: float
+    jobs: int
+
+    @property
+    def scores(self) -> dict:
+        return {r.student: r.score for r in self.results}
+
+
+def find_course_root(start: str | None = None) -> str:
+    here = os.path.abspath(start or os.getcwd())
+    while True:
+        if os.path.isdir(os.path.join(here, "solutions")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            raise FileNotFoundError("no course repository here (a folder with solutions/): run "
+                                    "`labkit grade` from the course repository or pass --course")
+        here = parent
+
+
+def _config(course: str, source_root: str, out: str, db_url: str, lab: str):
+    from traitlets.config import Config
+    from traitlets.config.loader import PyFileConfigLoader
+    config = Config()
+    course_config = os.path.join(course, "nbgrader_config.py")
+    if os.path.isfile(course_config):       # the course's own settings (e.g. code stubs)
+        config.merge(PyFileConfigLoader("nbgrader_config.py", path=course).load_config())
+    work = os.path.join(out, "work")
+    config.CourseDirectory.root = course
+    config.CourseDirectory.source_directory = source_root
+    config.CourseDirectory.release_directory = os.path.join(work, "release")
+    config.CourseDirectory.submitted_directory = os.path.join(work, "submitted")
+    config.CourseDirectory.autograded_directory = os.path.join(work, "autograded")
+    config.CourseDirectory.feedback_directory = os.path.join(out, "feedback")
+    config.CourseDirectory.db_url = db_url
+    config.CourseDirectory.course_id = config.CourseDirectory.get("course_id", "")
+    config.OverwriteCells.add_missing_cells = True
+    config.Autograde.autograde_preprocessors = [
+        "labkit.grading.nbhooks.InjectVerdicts",
+        "nbgrader.preprocessors.IgnorePattern",
+        "nbconvert.preprocessors.ClearMetadataPreprocessor",
+        "nbgrader.preprocessors.LimitOutput",
+        "nbgrader.preprocessors.SaveAutoGrades",
+        "nbgrader.preprocessors.AssignLatePenalties",
+        "nbgrader.preprocessors.CheckCellMetadata"]
+    config.GenerateFeedback.preprocessors = [
+        "nbgrader.preprocessors.GetGrades",
+        "nbgrader.preprocessors.ClearHiddenTests",
+        "labkit.grading.nbhooks.ScrubHidden",
+        "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor"]
+    config.InjectVerdicts.results_dir = os.path.join(work, "results")
+    return config
+
+
+def _api(config):
+    import logging
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    # nbgrader runs `alembic` from PATH: make this interpreter's scripts findable (venvs)
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    api = NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
+    api.log.setLevel(logging.WARNING)
+    return api
+
+
+def _tree_hash(path: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True)):
+        if os.path.isfile(name):
+            digest.update(os.path.relpath(name, path).encode())
+            with open(name, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+def build_gradebook(config, source_root: str, lab: str, out: str) -> None:
+    """nbgrader generate_assignment into a private release folder, when solutions/ changed."""
+    stamp_path = os.path.join(out, "work", f"gradebook-{lab}.stamp")
+    stamp = _tree_hash(os.path.join(source_root, lab)) + "|" + config.CourseDirectory.db_url
+    if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
+        return
+    result = _api(config).generate_assignment(lab, force=True, create=True)
+    if not result["success"]:
+        raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n"
+                           f"{result.get('error') or result.get('log')}")
+    with open(stamp_path, "w") as f:
+        f.write(stamp)
+
+
+def find_submissions(submissions_dir: str, lab: str, notebook_ids: list) -> dict:
+    """{student: {notebook_id: path}} from SUBMISSIONS_DIR/<student>/[<lab>/]*.ipynb."""
+    found = {}
+    for student in sorted(os.listdir(submissions_dir)):
+        folder = os.path.join(submissions_dir, student)
+        if not os.path.isdir(folder) or os.path.islink(folder) or student.startswith("."):
+            continue
+        if not _STUDENT_ID.match(student):
+            print(f"labkit grade: skipping {student!r}: not a valid student id", file=sys.stderr)
+            continue
+        if os.path.isdir(os.path.join(folder, lab)) and not os.path.islink(
+                os.path.join(folder, lab)):
+            folder = os.path.join(folder, lab)
+        notebooks = {}
+        candidates = sorted(n for n in os.listdir(folder) if n.endswith(".ipynb"))
+        for nb_id in notebook_ids:
+            if f"{nb_id}.ipynb" in candidates:
+                notebooks[nb_id] = os.path.join(folder, f"{nb_id}.ipynb")
+        if not notebooks and len(notebook_ids) == 1 and len(candidates) == 1:
+            notebooks[notebook_ids[0]] = os.path.join(folder, candidates[0])   # renamed
+        found[student] = notebooks
+    return found
+
+
+def _copy_submission(notebooks: dict, dest: str) -> list:
+    """Copy without following links, refusing oversized files; return problems."""
+    problems = []
+    os.makedirs(dest, exist_ok=True)
+    for nb_id, path in notebooks.items():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as error:
+            problems.append(f"{nb_id}: cannot read ({error.strerror}; links are refused)")
+            continue
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_NOTEBOOK_BYTES + 1)
+        if len(data) > MAX_NOTEBOOK_BYTES:
+            problems.append(f"{nb_id}: larger than {MAX_NOTEBOOK_BYTES >> 20} MiB, not graded")
+            continue
+        try:
+            json.loads(data)
+        except ValueError:
+            problems.append(f"{nb_id}: not a notebook (invalid JSON)")
+            data = json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
+                               "nbformat_minor": 5}).encode()
+        with open(os.path.join(dest, f"{nb_id}.ipynb"), "wb") as f:
+            f.write(data)
+    return problems
+
+
+def _hidden_texts(source_dir: str, notebook_ids: list) -> dict:
+    import nbformat
+    from labkit.grading import notebook as nbtools
+    hidden = {}
+    for nb_id in notebook_ids:
+        nb = nbformat.read(os.path.join(source_dir, nb_id + ".ipynb"), as_version=4)
+        for cell in nb.cells:
+            if nbtools.role(cell) == "test":
+                hidden[cell.metadata.nbgrader.get("grade_id")] = nbtools.hidden_texts(cell.source)
+    return hidden
+
+
+def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> None:
+    """Each job in a fresh process (forked from a server that preloaded torch and nbgrader), at
+    most `parallel` at a time; a worker that outlives its limit is killed (its sandbox with it)."""
+    from labkit.grading.worker import grade_submission
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "nbformat", "nbgrader.preprocessors",
+                                    "labkit.grading.worker", "labkit.checks"])
+    pending, running, free_slots = list(jobs), {}, list(range(parallel))
+    while pending or running:
+        while pending and free_slots:
+            job = pending.pop(0)
+            job["slot"] = free_slots.pop(0)
+            process = context.Process(target=grade_submission, args=(job,), daemon=False)
+            process.start()
+            running[process] = (job, time.monotonic())
+        for process, (job, started) in list(running.items()):
+            if process.exitcode is None and time.monotonic() - started > time_limit + 120:
+                process.kill()
+                log(f"  {job['student']}: grading process killed after {time_limit + 120:.0f} s")
+            if process.exitcode is not None:
+                process.join()
+                del running[process]
+                free_slots.append(job["slot"])
+                free_slots.sort()
+        time.sleep(0.05)
+
+
+def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | None = None,
+          course: str | None = None, db_url: str | None = None, time_limit: float = 300.0,
+          cell_timeout: float = 60.0, limits: dict | None = None, log=print) -> GradeReport:
+    """Grade every submission of `lab` in `submissions_dir`; see the module docstring."""
+    started = time.monotonic()
+    course = find_course_root(course)
+    source_root = os.path.join(course, "solutions")
+    source_dir = os.path.join(source_root, lab)
+    if not os.path.isdir(source_dir):
+        raise FileNotFoundError(f"no lab {lab!r}: {source_dir} does not exist")
+    out = os.path.abspath(out or os.path.join(course, "grading", lab))
+    os.makedirs(out, exist_ok=True)
+    os.chmod(out, 0o700)
+    work = os.path.join(out, "work")
+    for sub in ("submitted", "autograded", "results", "release"):
+        os.makedirs(os.path.join(work, sub), exist_ok=True)
+    db_url = db_url or "sqlite:///" + os.path.join(out, "gradebook.db")
+    config = _config(course, source_root, out, db_url, lab)
+    build_gradebook(config, source_root, lab, out)
+    if db_url.startswith("sqlite:///") and os.path.exists(db_url[len("sqlite:///"):]):
+        os.chmod(db_url[len("sqlite:///"):], 0o600)
+    notebook_ids = sorted(os.path.splitext(os.path.basename(p))[0]
+                          for p in glob.glob(os.path.join(source_dir, "*.ipynb")))
+    submissions = find_submissions(os.path.abspath(submissions_dir), lab, notebook_ids)
+    jobs = max(1, min(int(jobs or os.cpu_count() or 1), max(1, len(submissions))))
+
+    # data files the lab ships next to its notebooks (labs/<lab>/ minus notebooks)
+    release = os.path.join(work, "release", lab)
+    seed = os.path.join(work, "seed")
+    shutil.rmtree(seed, ignore_errors=True)
+    shutil.copytree(release, seed, symlinks=False,
+                    ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
+
+    run_id = secrets.token_hex(6)
+    sandbox_base = tempfile.mkdtemp(prefix="labkit-grading-")
+    copy_problems, job_list, nonces = {}, [], {}
+    for student, notebooks in submissions.items():
+        dest = os.path.join(work, "submitted", student, lab)
+        shutil.rmtree(dest, ignore_errors=True)
+        copy_problems[student] = _copy_submission(notebooks, dest)
+        nonces[student] = secrets.token_hex(16)
+        result_path = os.path.join(work, "results", f"{student}.json")
+        if os.path.exists(result_path):
+            os.remove(result_path)
+        job_list.append({
+            "student": student, "lab": lab, "source_dir": source_dir, "db_url": db_url,
+            "notebooks": {nb: os.path.join(dest, f"{nb}.ipynb") for nb in notebooks
+                          if os.path.exists(os.path.join(dest, f"{nb}.ipynb"))},
+            "run_dir": os.path.join(sandbox_base, run_id, student), "seed_dir": seed,
+            "nonce": nonces[student], "result_path": result_path, "time_limit": time_limit,
+            "cell_timeout": cell_timeout, "limits": dict(limits or {})})
+    log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time")
+    try:
+        _run_workers(job_list, jobs, time_limit, log)
+    finally:
+        shutil.rmtree(sandbox_base, ignore_errors=True)
+        _remove_cgroups(run_id)
+    executed = time.monotonic()
+
+    config.InjectVerdicts.nonces = nonces
+    config.ScrubHidden.hidden = _hidden_texts(source_dir, notebook_ids)
+    api = _api(config)
+    results = []
+    for job in job_list:
+        student = job["student"]
+        problems = list(copy_problems.get(student, []))
+        try:
+            with open(job["result_path"]) as f:
+                worker_result = json.load(f)
+        except (OSError, ValueError):
+            worker_result = {"error": "the grading process produced no result", "events": []}
+        if worker_result.get("error"):
+            problems.append(worker_result["error"])
+        problems += worker_result.get("events", [])
+        if not job["notebooks"]:
+            problems.append("no notebook found")
+        graded = api.autograde(lab, student, force=True, create=True)
+        if not graded["success"]:
+            problems.append("nbgrader autograde failed: " + _last_line(graded))
+        feedback = api.generate_feedback(lab, student, force=True)
+        if not feedback["success"]:
+            problems.append("nbgrader generate_feedback failed: " + _last_line(feedback))
+        leaks = check_feedback(os.path.join(out, "feedback", student), config.ScrubHidden.hidden)
+        if leaks:
+            problems.append(f"feedback withheld: it quoted hidden tests ({leaks[0]})")
+        score, max_score = _score(api, lab, student)
+        results.append(StudentResult(student, score, max_score,
+                                     float(worker_result.get("seconds", 0.0)), problems))
+    _write_csv(os.path.join(out, "grades.csv"), results)
+    report = GradeReport(lab, out, results, time.monotonic() - started, jobs)
+    log(summary(report, executed - started))
+    return report
+
+
+def check_feedback(folder: str, hidden: dict) -> list:
+    """Paths of feedback files that contain a hidden-test line; such files are deleted."""
+    texts = [t for lines in hidden.values() for t in lines]
+    leaks = []
+    for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            content = f.read()
+        import html
+        if any(t in content or html.escape(t) in content or html.escape(t, quote=False)
+               in content for t in texts):
+            leaks.append(path)
+            os.remove(path)
+    return leaks
+
+
+def _score(api, lab, student):
+    from nbgrader.api import Gradebook, MissingEntry
+    with Gradebook(api.coursedir.db_url, api.coursedir.course_id) as gb:
+        try:
+            submission = gb.find_submission(lab, student)
+            return float(submission.score), float(submission.max_score)
+        except MissingEntry:
+            return 0.0, float(gb.find_assignment(lab).max_score)
+
+
+def _last_line(result: dict) -> str:
+    text = (result.get("error") or result.get("log") or "").strip().splitlines()
+    return text[-1] if text else "unknown error"
+
+
+def _write_csv(path, results):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student_id", "score", "max_score", "seconds", "problems"])
+        for r in results:
+            writer.writerow([r.student, f"{r.score:g}", f"{r.max_score:g}", f"{r.seconds:.1f}",
+                             "; ".join(r.problems)])
+
+
+def summary(report: GradeReport, execute_seconds: float) -> str:
+    width = max([7] + [len(r.student) for r in report.results])
+    lines = [f"{'student':<{width}}  {'score':>6}  {'max':>5}  {'time s':>6}  problems"]
+    for r in report.results:
+        lines.append(f"{r.student:<{width}}  {r.score:>6g}  {r.max_score:>5g}  "
+                     f"{r.seconds:>6.1f}  {'; '.join(r.problems) or '-'}")
+    lines.append(f"{len(report.results)} submissions in {report.seconds:.1f} s "
+                 f"({execute_seconds:.1f} s executing, {report.jobs} at a time); "
+                 f"grades: {os.path.join(report.out, 'grades.csv')}, feedback: "
+                 f"{os.path.join(report.out, 'feedback')}/")
+    return "\n".join(lines)
+
+
+def _remove_cgroups(run_id: str):
+    from labkit.grading.sandbox import cgroup_dirs
+    for base in cgroup_dirs().values():
+        path = os.path.join(base, "labkit-grading", run_id)
+        for sub in sorted(glob.glob(os.path.join(path, "*")), reverse=True):
+            if os.path.isdir(sub):
+                try:
+                    os.rmdir(sub)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass

@@ -1,0 +1,405 @@
+"""A kernel that runs one submission's code, isolated from the grader and from other submissions.
+
+    box = Sandbox(run_dir, slot=0, limits=Limits())
+    box.start()                                   # ~1-2 s: namespaces, user, kernel ready
+    result = box.execute("x = 1 + 1", timeout=30) # ExecResult: status, outputs, payloads
+    box.close()                                   # every process of the submission is gone
+
+Isolation, when the grader runs as root on Linux (`isolation_report()` says what holds here):
+  - its own unprivileged user per parallel slot (`labkit-grade<slot>`, created with useradd), so
+    two submissions graded at once cannot signal, trace or read each other;
+  - new mount/PID/network/IPC namespaces (`unshare`): a root of its own with only the system
+    directories, the Python install and labkit read-only, its working folder read-write, a fresh
+    /tmp; the course repository, the gradebook and every other submission are simply not there;
+    only a loopback interface (no network); the kernel talks to the grader over unix sockets
+    (jupyter's `ipc` transport), since TCP does not cross network namespaces;
+  - cgroups (v1 memory + pids, when writable) bound memory and processes of the whole submission,
+    ranks included; rlimits bound processes per user, open files, file size, core dumps;
+  - closing kills the PID namespace's first process, which takes every process in it (ranks,
+    daemons, fork bombs) down with it; then the cgroup is checked empty and removed.
+Without root (or without `unshare`), the kernel runs as the grader's own user in a new session,
+with rlimits only: `Limits.require_isolation=True` refuses that instead.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+RESULT_MIME = "application/x-labkit-grading"
+_NSINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_nsinit.py")
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_MAX_MESSAGE = 64 << 20           # larger kernel messages are dropped by zmq (memory safety)
+_MAX_TEXT = 20_000                # characters of output kept per cell
+
+
+@dataclasses.dataclass
+class Limits:
+    memory_bytes: int = 4 << 30       # whole submission (cgroup), else per process (RLIMIT_AS)
+    processes: int = 512              # pids of the submission (cgroup) / of the slot user (rlimit)
+    open_files: int = 4096
+    file_bytes: int = 512 << 20       # largest file it may write
+    tmp_bytes: int = 512 << 20        # size of its private /tmp and /dev/shm
+    startup_timeout: float = 60.0
+    require_isolation: bool = False
+
+
+@dataclasses.dataclass
+class ExecResult:
+    status: str                       # "ok", "error", "timeout", "died"
+    outputs: list                     # nbformat v4 outputs, sanitized (text, png, errors)
+    payloads: list                    # decoded RESULT_MIME payloads (bytes), in order
+    error: dict | None = None         # {"ename", "evalue", "traceback"} when status == "error"
+
+
+def can_isolate() -> tuple[bool, str]:
+    """Whether this machine allows the namespace sandbox, and if not, why not."""
+    if sys.platform != "linux":
+        return False, "not Linux"
+    if os.geteuid() != 0:
+        return False, "the grader is not root (cannot switch users or build namespaces)"
+    if not shutil.which("unshare") or not shutil.which("useradd"):
+        return False, "`unshare` or `useradd` is missing"
+    return True, "root, unshare and useradd available"
+
+
+def cgroup_dirs() -> dict[str, str]:
+    """The v1 cgroup controllers we can use here ({"memory": path, "pids": path})."""
+    found = {}
+    for controller in ("memory", "pids"):
+        base = os.path.join(_CGROUP_ROOT, controller)
+        if os.path.isfile(os.path.join(base, "cgroup.procs")) and os.access(base, os.W_OK):
+            found[controller] = base
+    return found
+
+
+def isolation_report() -> dict:
+    ok, why = can_isolate()
+    cgroups = cgroup_dirs() if ok else {}
+    return {"namespaces": ok, "why": why, "separate_user": ok, "network": ok,
+            "cgroup_memory": "memory" in cgroups, "cgroup_pids": "pids" in cgroups}
+
+
+def ensure_user(slot: int) -> tuple[int, int]:
+    """uid, gid of the sandbox user of a slot, created (no home, no login) when missing."""
+    name = f"labkit-grade{slot}"
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--user-group",
+                        "--shell", "/usr/sbin/nologin", name],
+                       check=False, capture_output=True)
+        entry = pwd.getpwnam(name)       # KeyError here: useradd failed (and said why above)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _read_only_paths() -> list[str]:
+    """What the kernel needs to see: the Python install(s) and the labkit package."""
+    import labkit
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.abspath(labkit.__file__))}
+    return sorted(p for p in paths if os.path.isdir(p))
+
+
+def _die_with_parent():
+    """In the child before exec: SIGKILL it when the grading process dies (so a killed worker
+    never leaves a sandbox behind: unshare --kill-child then takes the whole namespace)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)      # PR_SET_PDEATHSIG
+
+
+def _clean_text(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "\n... (output truncated)\n"
+
+
+class Sandbox:
+    def __init__(self, run_dir: str, slot: int, limits: Limits | None = None, name: str = "s"):
+        self.limits = limits or Limits()
+        self.run_dir, self.slot, self.name = run_dir, slot, name
+        self.run_id = os.path.basename(os.path.dirname(run_dir.rstrip("/"))) or "run"
+        self.isolated, self.why = can_isolate()
+        if self.limits.require_isolation and not self.isolated:
+            raise RuntimeError(f"grading sandbox unavailable: {self.why}")
+        self.proc = None
+        self.client = None
+        self.cgroups: list[str] = []
+        self.uid = self.gid = None
+        self.log_path = None
+
+    # ---- start -------------------------------------------------------------------------------
+    def start(self, seed_dir: str | None = None):
+        """Start the kernel; `seed_dir`'s files (the lab's data files) are copied in first."""
+        tag = f"{self.name}-{secrets.token_hex(4)}"
+        self.workdir = os.path.join(self.run_dir, "w-" + tag)
+        self.private = os.path.join(self.run_dir, "p-" + tag)        # root only: spec, log
+        os.makedirs(self.private, mode=0o700)
+        if seed_dir:
+            shutil.copytree(seed_dir, self.workdir, symlinks=False)
+            os.chmod(self.workdir, 0o700)
+        else:
+            os.makedirs(self.workdir, mode=0o700)
+        os.makedirs(os.path.join(self.workdir, ".kernel"), mode=0o700)
+        conn = {"transport": "ipc", "ip": os.path.join(self.workdir, ".kernel", "k"),
+                "shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
+                "hb_port": 5, "key": secrets.token_hex(16), "signature_scheme": "hmac-sha256",
+                "kernel_name": "python3"}
+        conn_path = os.path.join(self.workdir, ".kernel", "connection.json")
+        with open(conn_path, "w") as f:
+            json.dump(conn, f)
+        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+               "HOME": self.workdir, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONPATH": _LABKIT_PARENT,
+               "IPYTHONDIR": os.path.join(self.workdir, ".ipython"),
+               "JUPYTER_RUNTIME_DIR": os.path.join(self.workdir, ".kernel"),
+               "MPLBACKEND": "agg", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+               "NBGRADER_EXECUTION": "autograde", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn_path,
+                "--HistoryManager.enabled=False"]
+        self.log_path = os.path.join(self.private, "kernel.log")
+        log = open(self.log_path, "wb")
+        rlimits = {"RLIMIT_NOFILE": self.limits.open_files, "RLIMIT_CORE": 0,
+                   "RLIMIT_FSIZE": self.limits.file_bytes}
+        if self.isolated:
+            self.uid, self.gid = ensure_user(self.slot)
+            rlimits["RLIMIT_NPROC"] = self.limits.processes
+            controllers = cgroup_dirs()
+            for controller, base in controllers.items():
+                path = os.path.join(base, "labkit-grading", self.run_id, tag)
+                os.makedirs(path)
+                self.cgroups.append(path)
+                if controller == "memory":
+                    _write(os.path.join(path, "memory.limit_in_bytes"), self.limits.memory_bytes)
+                    _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
+                else:
+                    _write(os.path.join(path, "pids.max"), self.limits.processes)
+            if "memory" not in controllers:
+                rlimits["RLIMIT_AS"] = self.limits.memory_bytes
+            for dirpath, dirnames, filenames in os.walk(self.workdir):
+                for entry in [dirpath] + [os.path.join(dirpath, n) for n in filenames]:
+                    os.chown(entry, self.uid, self.gid)
+            root = os.path.join(self.private, "root")
+            os.makedirs(root, mode=0o700)
+            spec = {"root": root, "workdir": self.workdir, "uid": self.uid, "gid": self.gid,
+                    "read_only": _read_only_paths(), "tmp_bytes": self.limits.tmp_bytes,
+                    "rlimits": rlimits, "env": env, "argv": argv, "loopback": True,
+                    "cgroups": [os.path.join(p, "cgroup.procs") for p in self.cgroups]}
+            spec_path = os.path.join(self.private, "spec.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            cmd = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+                   "--kill-child", "--", sys.executable, "-I", _NSINIT, spec_path]
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, close_fds=True, env={},
+                                         preexec_fn=_die_with_parent)
+        else:
+            rlimits["RLIMIT_AS"] = self.limits.memory_bytes
+
+            def limit():
+                import resource
+                for name, value in rlimits.items():
+                    resource.setrlimit(getattr(resource, name), (value, value))
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         env=dict(env, HOME=self.workdir), close_fds=True,
+                                         start_new_session=True, preexec_fn=limit)
+        log.close()
+        self._connect(conn, conn_path)
+
+    def _connect(self, conn, conn_path):
+        import zmq
+        from jupyter_client import BlockingKernelClient
+        deadline = time.monotonic() + self.limits.startup_timeout
+        sockets = [f"{conn['ip']}-{conn[p]}" for p in
+                   ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")]
+        while not all(os.path.exists(s) for s in sockets):   # bound before any student code
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sandbox kernel did not start: {self._log_tail()}")
+            time.sleep(0.02)
+        context = zmq.Context()
+        context.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        context.setsockopt(zmq.RECONNECT_IVL, -1)   # never follow a socket the kernel replaced
+        self.client = BlockingKernelClient(context=context)
+        self.client.load_connection_info(conn)
+        self.client.start_channels()
+        try:
+            self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+        except RuntimeError as error:
+            raise RuntimeError(f"sandbox kernel did not answer: {error}; {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ---- run code ------------------------------------------------------------------------------
+    def execute(self, code: str, timeout: float) -> ExecResult:
+        """Run code in the kernel; its outputs come back sanitized, never interpreted."""
+        if not self.alive:
+            return ExecResult("died", [], [])
+        msg_id = self.client.execute(code, store_history=False, allow_stdin=False)
+        deadline = time.monotonic() + timeout
+        outputs, payloads, error, idle, reply = [], [], None, False, None
+        while not (idle and reply is not None):
+            if time.monotonic() > deadline:
+                return ExecResult("timeout", outputs, payloads)
+            if not self.alive:
+                return ExecResult("died", outputs, payloads)
+            if reply is None:
+                try:
+                    shell = self.client.get_shell_msg(timeout=0.005)
+                    if shell.get("parent_header", {}).get("msg_id") == msg_id:
+                        reply = shell["content"]
+                except Exception:  # noqa: BLE001 (queue.Empty)
+                    pass
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.05)
+            except Exception:  # noqa: BLE001 (queue.Empty)
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content.get("execution_state") == "idle":
+                idle = True
+            elif kind == "stream":
+                _append_stream(outputs, content.get("name") == "stderr", str(content.get("text")))
+            elif kind in ("display_data", "execute_result"):
+                data = content.get("data") or {}
+                if RESULT_MIME in data:
+                    try:
+                        payloads.append(base64.b64decode(str(data[RESULT_MIME]), validate=True))
+                    except ValueError:
+                        pass
+                    continue
+                out = _clean_data(data)
+                if out:
+                    outputs.append({"output_type": "display_data", "data": out, "metadata": {}})
+            elif kind == "error":
+                error = {"ename": str(content.get("ename"))[:200],
+                         "evalue": _clean_text(str(content.get("evalue"))),
+                         "traceback": [_clean_text(str(t)) for t in
+                                       (content.get("traceback") or [])][:50]}
+                outputs.append(dict(output_type="error", **error))
+        status = "ok" if reply.get("status") == "ok" and error is None else "error"
+        return ExecResult(status, outputs, payloads, error)
+
+    # ---- stop ----------------------------------------------------------------------------------
+    def close(self):
+        if self.client is not None:
+            try:
+                self.client.stop_channels()
+                self.client.context.destroy(linger=0)
+            except Exception:  # noqa: BLE001
+                pass
+            self.client = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                if self.isolated:
+                    self.proc.kill()     # --kill-child: process 1 of the namespace dies, and all
+                else:
+                    try:
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self.proc.wait()
+        for path in self.cgroups:
+            _empty_and_remove(path)
+        self.cgroups = []
+        if self.uid is not None:
+            _wait_user_gone(self.uid)
+        shutil.rmtree(getattr(self, "workdir", ""), ignore_errors=True)
+        shutil.rmtree(getattr(self, "private", ""), ignore_errors=True)
+
+
+def _append_stream(outputs, stderr, text):
+    name = "stderr" if stderr else "stdout"
+    if outputs and outputs[-1].get("output_type") == "stream" and outputs[-1]["name"] == name:
+        outputs[-1]["text"] = _clean_text(outputs[-1]["text"] + text)
+    else:
+        outputs.append({"output_type": "stream", "name": name, "text": _clean_text(text)})
+
+
+def _clean_data(data: dict) -> dict:
+    """Only plain text and PNG images reach the feedback (no HTML or script from a student)."""
+    out = {}
+    if isinstance(data.get("text/plain"), str):
+        out["text/plain"] = _clean_text(data["text/plain"])
+    png = data.get("image/png")
+    if isinstance(png, str) and len(png) < 2_000_000:
+        try:
+            if base64.b64decode(png, validate=True)[:8] == b"\x89PNG\r\n\x1a\n":
+                out["image/png"] = png
+        except ValueError:
+            pass
+    return out
+
+
+def _write(path, value, missing_ok=False):
+    try:
+        with open(path, "w") as f:
+            f.write(str(value))
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def _empty_and_remove(path):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def user_processes(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    pids.append(int(entry))
+            except FileNotFoundError:
+                pass
+    return pids
+
+
+def _wait_user_gone(uid, timeout=10.0):
+    """The sandbox user owns no process any more (SIGKILL whatever survived the namespace)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = user_processes(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
