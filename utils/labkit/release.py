@@ -48,6 +48,7 @@ def _config(root: Path, release_dir: Path, db_path: Path):
     config.CourseDirectory.source_directory = str(root / "solutions")
     config.CourseDirectory.release_directory = str(release_dir)
     config.CourseDirectory.db_url = f"sqlite:///{db_path}"
+    config.Exchange.root = str(db_path.parent / "exchange")  # unused; keeps nbgrader off /usr/local
     return config
 
 
