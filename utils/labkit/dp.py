@@ -1,0 +1,284 @@
+"""Data parallelism: the test bench of chapter 2 (`course/02_data_parallel.ipynb`) and lab 2.
+
+    from labkit import dp
+    model = dp.make_model(seed=0)                       # the same weights in every process
+    batch = dp.ragged_batch(seed=1, n_sequences=6, max_len=9)
+    reference = dp.reference_gradients(batch, seed=0)   # one process, the whole global batch
+    per_rank = world.call(dp.token_loss_gradients, args=(loss_fn, case), timeout=60)
+    dp.assert_grads_match(per_rank, reference)          # or a coaching AssertionError
+
+What is here: a tiny deterministic language model, ragged batches as plain lists, ways to split a
+batch over ranks and microbatches, the single-process reference, the rank-side harnesses that run
+a function of yours inside a training step, and comparisons with stated tolerances. What is not
+here: the token-correct loss, the sharded norm and the bucketed synchroniser (lab 2 tasks 1-3).
+
+Notation (chapter 2): R ranks; rank r holds n_r valid tokens whose losses sum to S_r; the global
+token loss is L = sum_r S_r / sum_r n_r. Shapes: B sequences, T positions, V vocabulary, H hidden.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN = 11, 8
+IGNORE = -100           # the target of a padding position (cross_entropy's ignore_index)
+# float64 comparisons: every correct variant agrees to ~1e-15; a wrong scale is off by >1e-3.
+RTOL, ATOL = 1e-7, 1e-10
+
+
+class TinyLM(nn.Module):
+    """tokens [B, T] -> logits [B, T, V]: embedding, `layers` GELU blocks, output head."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)                      # x: [B, T, H]
+        for block in self.blocks:
+            x = x + F.gelu(block(x))                # [B, T, H]
+        return self.head(x)                         # logits: [B, T, V]
+
+
+def make_model(seed: int = 0, layers: int = 1, hidden: int = HIDDEN, dtype=torch.float64,
+               device="cpu") -> TinyLM:
+    """A TinyLM whose weights depend only on `seed`: every process that calls this agrees."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = TinyLM(hidden=hidden, layers=layers).to(dtype)
+    torch.random.set_rng_state(generator_state)
+    return model.to(device)
+
+
+def ragged_batch(seed: int, n_sequences: int, max_len: int, min_len: int = 0) -> list:
+    """n_sequences (tokens, targets) pairs of random lengths in [min_len, max_len], as lists."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for _ in range(n_sequences):
+        length = int(torch.randint(min_len, max_len + 1, (), generator=g))
+        tokens = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        targets = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        batch.append((tokens, targets))
+    return batch
+
+
+def count_tokens(sequences) -> int:
+    """Valid (non-padding) tokens in a list of sequences."""
+    return sum(len(tokens) for tokens, _ in sequences)
+
+
+def pad(sequences, extra: int = 0, device="cpu"):
+    """-> tokens [B, T], targets [B, T]; T = longest + extra, padding has target IGNORE."""
+    width = max((len(t) for t, _ in sequences), default=0) + extra
+    tokens = torch.zeros(len(sequences), width, dtype=torch.long)        # [B, T]
+    targets = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
+    for row, (tok, tgt) in enumerate(sequences):
+        tokens[row, :len(tok)] = torch.tensor(tok, dtype=torch.long)
+        targets[row, :len(tgt)] = torch.tensor(tgt, dtype=torch.long)
+    return tokens.to(device), targets.to(device)
+
+
+def token_loss_sum(model, sequences, extra_padding: int = 0):
+    """(S, n): the summed cross-entropy over valid tokens (differentiable) and their count."""
+    device = next(model.parameters()).device
+    tokens, targets = pad(sequences, extra_padding, device)              # [B, T], [B, T]
+    logits = model(tokens)                                               # [B, T, V]
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                            ignore_index=IGNORE, reduction="sum")
+    return total, int((targets != IGNORE).sum())
+
+
+def split(items: list, sizes: list) -> list:
+    """Consecutive pieces of `items` with the given sizes (which must add up to len(items))."""
+    if sum(sizes) != len(items) or min(sizes, default=0) < 0:
+        raise ValueError(f"sizes {sizes} (sum {sum(sizes)}) must be >= 0 and add up to "
+                         f"{len(items)} items")
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(items[start:start + size])
+        start += size
+    return pieces
+
+
+def even_sizes(n_items: int, parts: int) -> list:
+    """As even as possible, the first parts one larger: even_sizes(5, 3) == [2, 2, 1]."""
+    base, extra = divmod(n_items, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def token_loss_case(batch, rank_sizes, microbatches: int = 1, extra_padding: int = 0,
+                    seed: int = 0) -> dict:
+    """Plain data for token_loss_gradients: rank r gets rank_sizes[r] sequences of `batch`, in
+    `microbatches` pieces (the same count on every rank; pieces may be empty)."""
+    per_rank = [split(share, even_sizes(len(share), microbatches))
+                for share in split(batch, list(rank_sizes))]
+    return {"per_rank": per_rank, "extra_padding": extra_padding, "seed": seed}
+
+
+def grads_of(model) -> dict:
+    """{name: gradient on CPU} (zeros for a parameter that got none)."""
+    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+            for name, p in model.named_parameters()}
+
+
+def reference_gradients(batch, seed: int = 0, layers: int = 1) -> dict:
+    """One process, the whole batch: the gradient of L = (sum of token losses) / (token count)."""
+    model = make_model(seed, layers)
+    total, count = token_loss_sum(model, batch)
+    if count == 0:
+        raise ValueError("the global batch has no valid token: the loss is undefined")
+    (total / count).backward()
+    return grads_of(model)
+
+
+def token_loss_gradients(loss_fn, case: dict) -> dict:
+    """On every rank: one data-parallel step whose per-microbatch loss is loss_fn(S, n_local).
+
+    S is the differentiable summed token loss of this rank's microbatch; n_local an int64 0-dim
+    tensor on labkit.device(), the valid tokens of this rank over all its microbatches. Gradients
+    are accumulated over the microbatches, then summed over ranks and divided by R (what DDP
+    does). Returns {name: averaged gradient}.
+    """
+    import torch.distributed as dist
+    from labkit import device
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model(case["seed"], device=device())
+    mine = case["per_rank"][rank]                                        # microbatches of rank r
+    n_local = torch.tensor(sum(count_tokens(m) for m in mine), device=device())
+    for microbatch in mine:
+        total, _ = token_loss_sum(model, microbatch, case["extra_padding"])
+        loss_fn(total, n_local).backward()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    return grads_of(model)
+
+
+def max_difference(per_rank: list, reference: dict) -> float:
+    """Largest absolute difference between any rank's gradient (or parameter) and the reference."""
+    return max(float((result[name].double() - ref.double()).abs().max())
+               for result in per_rank for name, ref in reference.items())
+
+
+def _hint(actual, expected, world_size) -> str:
+    ratio = float(actual.double().norm() / max(float(expected.double().norm()), 1e-300))
+    if world_size > 1 and math.isclose(ratio, world_size, rel_tol=1e-3):
+        return "it is R times too large: did you divide by the world size after all_reduce?"
+    if world_size > 1 and math.isclose(ratio * world_size, 1.0, rel_tol=1e-3):
+        return "it is R times too small: is the world size in the scale of each rank's loss?"
+    if math.isclose(ratio, 2.0, rel_tol=1e-3):
+        return "it is twice too large: is a gradient all-reduced twice?"
+    if not math.isfinite(ratio):
+        return "it is not finite: is a rank dividing by its own (zero) token count?"
+    return ("ranks with few tokens count as much as ranks with many: a mean of per-rank means "
+            "is not the mean over tokens")
+
+
+def assert_grads_match(per_rank: list, reference: dict, what: str = "grad", rtol: float = RTOL,
+                       atol: float = ATOL, hint: str | None = None) -> None:
+    """Every rank's {name: tensor} equals the single-process reference, within rtol/atol."""
+    world_size = len(per_rank)
+    for rank, result in enumerate(per_rank):
+        if not isinstance(result, dict) or set(result) != set(reference):
+            raise AssertionError(f"rank {rank}: expected tensors named {sorted(reference)}, got "
+                                 f"{sorted(result) if isinstance(result, dict) else type(result).__name__}")
+        for name, expected in reference.items():
+            actual = result[name].to(expected.dtype)
+            if actual.shape != expected.shape:
+                raise AssertionError(f"rank {rank}: {name}.{what} has shape {tuple(actual.shape)}, "
+                                     f"expected {tuple(expected.shape)}")
+            if not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+                gap = float((actual.double() - expected.double()).abs().nan_to_num(math.inf).max())
+                raise AssertionError(
+                    f"rank {rank}: {name}.{what} differs from the single-process reference by "
+                    f"{gap:.1e} (tolerance rtol={rtol:g}, atol={atol:g}); "
+                    f"{hint or _hint(actual, expected, world_size)}")
+
+
+# ---- parameters after training steps (chapter 2 section 1, lab 2 task 3) ------------------------
+
+def training_case(seed: int, world_size: int, steps: int, per_rank: int = 2, length: int = 6,
+                  lr: float = 0.5, layers: int = 3, bucket_bytes: int = 1024) -> dict:
+    """Plain data: `steps` global batches of world_size * per_rank sequences of equal length."""
+    batches = [ragged_batch(seed + 1000 * step, world_size * per_rank, length, min_len=length)
+               for step in range(steps)]
+    return {"seed": seed, "batches": batches, "lr": lr, "layers": layers,
+            "bucket_bytes": bucket_bytes, "per_rank": per_rank}
+
+
+def params_of(model) -> dict:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def reference_training(case: dict) -> list:
+    """One process, SGD on every global batch: the parameters after each step."""
+    model = make_model(case["seed"], case["layers"])
+    history = []
+    for batch in case["batches"]:
+        model.zero_grad(set_to_none=True)
+        total, count = token_loss_sum(model, batch)
+        (total / count).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= case["lr"] * p.grad
+        history.append(params_of(model))
+    return history
+
+
+def train_with_grad_sync(sync_class, case: dict) -> list:
+    """On every rank: SGD where sync_class(model, bucket_bytes) synchronises the gradients.
+
+    Each step: zero the gradients, forward this rank's equal share of the batch, mean token
+    loss, backward (the synchroniser's hooks fire), `sync.finish()`, then p -= lr * p.grad.
+    Returns the parameters after each step.
+    """
+    import torch.distributed as dist
+    from labkit import device
+    rank = dist.get_rank()
+    model = make_model(case["seed"], case["layers"], device=device())
+    sync = sync_class(model, case["bucket_bytes"])
+    history, k = [], case["per_rank"]
+    for batch in case["batches"]:
+        model.zero_grad(set_to_none=True)
+        total, count = token_loss_sum(model, batch[rank * k:(rank + 1) * k])
+        (total / count).backward()
+        sync.finish()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= case["lr"] * p.grad
+        history.append(params_of(model))
+    return history
+
+
+def assert_params_match(per_rank_history: list, reference_history: list, rtol: float = RTOL,
+                        atol: float = ATOL) -> None:
+    """Every rank's parameters equal the single-process run's after every step."""
+    for step, reference in enumerate(reference_history):
+        per_rank = [history[step] for history in per_rank_history]
+        try:
+            assert_grads_match(per_rank, reference, "data", rtol, atol,
+                               hint=_param_hint(per_rank, reference, reference_history, step))
+        except AssertionError as error:
+            raise AssertionError(f"after step {step + 1}: {error}") from None
+
+
+def _param_hint(per_rank, reference, history, step) -> str:
+    return ("check that every gradient is all-reduced once, divided by the world size, and "
+            "written back to p.grad before finish() returns")
+
+
+def all_reduced_elements(trace, rank: int = 0) -> int:
+    """Elements that `rank` handed to all_reduce during a trace (every tensor of every call)."""
+    return sum(math.prod(shape) for record in trace.ops(rank, "all_reduce")
+               for shape in record["shapes"])
+
+
+def parameter_elements(case: dict) -> int:
+    return sum(p.numel() for p in make_model(case["seed"], case["layers"]).parameters())
