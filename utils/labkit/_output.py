@@ -20,6 +20,8 @@ class RankOutput:
         self.rank = rank
         self.readers = (out_reader, err_reader)   # Connections: keep them to close them
         out_fd, err_fd = out_reader.fileno(), err_reader.fileno()
+        for fd in (out_fd, err_fd):
+            os.set_blocking(fd, False)   # `drain` reads until the pipe is empty
         self.label = f"[rank {rank:>{label_width}}] "
         self.buffers = {out_fd: bytearray(), err_fd: bytearray()}
         self.kind = {out_fd: "out", err_fd: "err"}
@@ -35,11 +37,19 @@ class RankOutput:
         """Both streams have passed the end of task `task_id` (or are closed)."""
         return all(fd in self.closed or str(task_id) in self.markers[fd] for fd in self.buffers)
 
+    def drain(self):
+        """Read both pipes until empty. A rank writes its end-of-task markers before it replies,
+        so once its reply has arrived the markers are already in the pipes."""
+        for fd in self.open_fds():
+            while fd not in self.closed and self.read(fd):
+                pass
+
     def read(self, fd):
+        """Read what is there; return False if nothing was (the pipe is empty or closed)."""
         try:
             data = os.read(fd, 1 << 16)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
         buffer = self.buffers[fd]
@@ -48,9 +58,10 @@ class RankOutput:
             if buffer:
                 self._emit(fd, bytes(buffer))
                 buffer.clear()
-            return
+            return False
         buffer += data
         self._scan(fd)
+        return True
 
     def _scan(self, fd):
         buffer = self.buffers[fd]

@@ -83,13 +83,17 @@ def current_stack(thread_id):
     return "".join(traceback.format_list(frames))
 
 
+try:
+    _LIBC_FFLUSH = ctypes.CDLL(None).fflush
+except (OSError, AttributeError):
+    _LIBC_FFLUSH = None
+
+
 def _flush_all(marker):
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        ctypes.CDLL(None).fflush(None)  # C/C++ stdio buffers too
-    except (OSError, AttributeError):
-        pass
+    if _LIBC_FFLUSH is not None:
+        _LIBC_FFLUSH(None)  # C/C++ stdio buffers too
     data = marker.encode()
     os.write(1, data)
     os.write(2, data)

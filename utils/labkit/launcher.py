@@ -242,31 +242,39 @@ class World:
             self._start()
 
     # -- the wait loop ------------------------------------------------------------------------
-    def _pump(self, ranks, timeout, quiet=False):
-        """Wait up to `timeout` s; read output; return [(rank, message or None if it died)]."""
+    def _handles(self, ranks):
+        """What to wait on for `ranks`: replies, process ends, and every rank's output."""
         handles = {}
         for rank in ranks:
             r = self._ranks[rank]
             handles[r.commands] = ("msg", r)
             handles[r.process.sentinel] = ("died", r)
-            for fd in r.output.open_fds():
-                handles[fd] = ("out", r)
         for r in self._ranks:  # keep draining the output of every rank
             for fd in r.output.open_fds():
-                handles.setdefault(fd, ("out", r))
+                handles[fd] = ("out", r)
+        return handles
+
+    def _pump(self, ranks, timeout, quiet=False, handles=None):
+        """Wait up to `timeout` s; read output; return [(rank, message or None if it died)]."""
+        if handles is None:
+            handles = self._handles(ranks)
         messages = []
         for handle in wait(list(handles), timeout=timeout):
             kind, r = handles[handle]
             if kind == "out":
                 r.output.echo = not quiet
                 r.output.read(handle)
+                if handle in r.output.closed:
+                    del handles[handle]
             elif kind == "msg":
                 try:
                     messages.append((r.rank, r.commands.recv()))
                 except (EOFError, OSError):
                     messages.append((r.rank, None))
+                    del handles[handle]
             elif not r.commands.poll():
                 messages.append((r.rank, None))
+                del handles[handle]
         return messages
 
     # -- running code ---------------------------------------------------------------------
@@ -355,6 +363,7 @@ class World:
         """Wait for every target's reply and output marker; stop early on failure + grace."""
         results, errors, deaths = {}, {}, {}
         grace_deadline = None
+        handles = self._handles(targets)
         while True:
             pending = [r for r in targets if r not in results and r not in errors
                        and r not in deaths]
@@ -366,7 +375,10 @@ class World:
                 return results, errors, deaths, pending
             if now > deadline:
                 return results, errors, deaths, pending or undrained
-            for rank, message in self._pump(pending or undrained, 0.1):
+            for rank, message in self._pump(pending or undrained, 0.1, handles=handles):
+                if message is not None:
+                    handles.pop(self._ranks[rank].commands, None)   # one reply per call
+                    self._ranks[rank].output.drain()
                 if message is None:
                     if rank not in results and rank not in errors:
                         self._ranks[rank].process.join(timeout=1)
