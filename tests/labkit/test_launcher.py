@@ -185,3 +185,24 @@ def test_fault_injection_exit_and_straggler(world2):
     assert waited > 0.4, waited
     with pytest.raises(ValueError):
         world2.inject_fault(5, at_collective=1)
+
+
+def test_the_same_rank_function_runs_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-m", "labkit.cli", "torchrun", "--nproc-per-node",
+                           "2", "--backend", "gloo", "ranks_code:summed", "10"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": tests_dir})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[rank 0] result: 21.0" in done.stdout and "[rank 1] result: 21.0" in done.stdout
+
+
+def test_trace_timeline_draws_one_bar_per_finished_op(world2):
+    import matplotlib
+    matplotlib.use("Agg")
+    with world2.tracing() as trace:
+        world2.run(rc.collectives, 3)
+    ax = trace.plot_timeline()
+    assert len(ax.patches) == len([r for r in trace.records if r["finished"]]) == 6

@@ -2,6 +2,7 @@
 
     labkit build [--world 2] [--backend auto] [--scale small] [--only PATTERN]
     labkit release [--check]
+    labkit torchrun [--nproc-per-node N] [--nnodes ...] module:function [args...]
 
 Each subcommand lives in its own module, imported only when that subcommand runs (so `labkit
 release` never imports torch). To add one, add a row to SUBCOMMANDS: the module must define
@@ -17,6 +18,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build": ("labkit.build", "execute every course notebook and lab solution headless"),
     "release": ("labkit.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
+    "torchrun": ("labkit.torchrun", "run a module:function on ranks started by torchrun (env://)"),
 }
 
 

@@ -19,9 +19,7 @@ import subprocess
 import sys
 
 
-def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="labkit torchrun", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser):
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
@@ -31,11 +29,17 @@ def _parse_args(argv):
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("target", help="module:function to run on every rank")
     parser.add_argument("args", nargs=argparse.REMAINDER)
-    return parser.parse_args(argv)
 
 
 def main(argv=None):
-    options = _parse_args(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="labkit torchrun", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(options):
+    """`labkit torchrun ...`: start torchrun with labkit's entry on every rank."""
     if ":" not in options.target:
         raise SystemExit(f"labkit torchrun: expected module:function, got {options.target!r}")
     if options.nnodes > 1 and options.master_port == 0:
