@@ -51,9 +51,10 @@ def pytest_terminal_summary(terminalreporter):
     if not _times:
         return
     tr = terminalreporter
-    tr.section("browser scenarios: seconds (setup includes Lab and chromium start for the first)")
-    lines = [f"{name:<50} setup {t.get('setup', 0):5.1f}  call {t.get('call', 0):5.1f}  "
-             f"teardown {t.get('teardown', 0):5.1f}" for name, t in _times.items()]
+    tr.section("browser scenarios: seconds")
+    lines = [f"{name:<50} {t['took']:5.1f}" if "took" in t else
+             f"{name:<50} {t.get('call', 0):5.1f}   (setup {t.get('setup', 0):.1f}, "
+             f"teardown {t.get('teardown', 0):.1f})" for name, t in _times.items()]
     for line in lines:
         tr.write_line(line)
     if SCREENSHOTS.is_dir():
@@ -86,6 +87,8 @@ def lab_root(tmp_path_factory) -> Path:
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, root / name,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    if (REPO / "nbgrader_config.py").exists():   # read by Validate from Lab's working directory
+        shutil.copy(REPO / "nbgrader_config.py", root)
     (root / "scratch").mkdir()
     return root
 
@@ -94,14 +97,19 @@ def lab_root(tmp_path_factory) -> Path:
 def lab(sync_playwright, lab_root, tmp_path_factory):
     server = LabServer(lab_root, tmp_path_factory.mktemp("lab_state"))
     try:
+        started = time.monotonic()
         server.start()
+        _times["(JupyterLab start)"] = {"took": time.monotonic() - started}
         yield server
     finally:
+        started = time.monotonic()
         _leftovers.extend(server.stop())
+        _times["(stop Lab, kernels, ranks)"] = {"took": time.monotonic() - started}
 
 
 @pytest.fixture(scope="session")
 def browser(sync_playwright, tmp_path_factory):
+    started = time.monotonic()
     pw = sync_playwright().start()
     try:
         try:
@@ -111,6 +119,7 @@ def browser(sync_playwright, tmp_path_factory):
                 timeout=30_000)
         except Exception as e:  # a chromium that is there but cannot start here: say so, skip
             pytest.skip(f"chromium at {CHROMIUM} did not start: {str(e).splitlines()[0]}")
+        _times["(chromium start)"] = {"took": time.monotonic() - started}
         yield context
         context.close()
     finally:
@@ -119,8 +128,9 @@ def browser(sync_playwright, tmp_path_factory):
 
 @pytest.fixture
 def nb(request, lab, browser):
-    """A fresh page on the session's Lab, as a NotebookPage; afterwards every kernel is shut down
-    and anything they left running is killed (and listed in the summary)."""
+    """A fresh page on the session's Lab, as a NotebookPage. Afterwards every kernel is asked to
+    shut down (without waiting); at the end of the session, anything a kernel left running is
+    killed and listed in the summary."""
     from notebook_page import NotebookPage
 
     page = browser.new_page()
@@ -137,9 +147,8 @@ def nb(request, lab, browser):
             except Exception:
                 pass
         page.close()
-        lab.track()
-        lab.shutdown_kernels()
-        _leftovers.extend(f"{request.node.name}: {line}" for line in lab.kill_leftovers(grace_s=5.0))
+        lab.track()                          # remember this test's ranks: stop() ends them for sure
+        lab.shutdown_kernels(wait=False)
 
 
 @pytest.fixture

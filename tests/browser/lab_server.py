@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -78,6 +79,10 @@ class LabServer:
         # The news pop-up appears unless this is set, even with news_url=None.
         _write_json(s / "settings/@jupyterlab/apputils-extension/notification.jupyterlab-settings",
                     {"fetchNews": "false", "checkForUpdates": False})
+        # Lab renders only the cells near the viewport by default; far ones lose their prompt's
+        # text, which the tests read to know a cell has run. Render them all.
+        _write_json(s / "settings/@jupyterlab/notebook-extension/tracker.jupyterlab-settings",
+                    {"windowingMode": "none"})
         # Extensions a student does not have (ipyparallel is a test extra) or need here (instructor
         # views). The ipyparallel lab extension shows an error dialog without its server part.
         _write_json(s / "config/labconfig/page_config.json",
@@ -220,12 +225,23 @@ class LabServer:
     def kernels(self) -> list[dict]:
         return self.api("GET", "api/kernels")
 
-    def shutdown_kernels(self) -> None:
-        for k in self.kernels():
-            try:
-                self.api("DELETE", f"api/kernels/{k['id']}", timeout=15)
-            except Exception:
-                pass
+    def shutdown_kernels(self, wait: bool = True) -> None:
+        """Asks Lab to shut down every kernel, each in its own thread (a kernel closes its world
+        first, which takes a second or two). wait=False returns at once: the next test starts
+        while they stop, and stop() kills whatever is still left at the end."""
+        threads = [threading.Thread(target=self._delete_kernel, args=(k["id"],), daemon=True)
+                   for k in self.kernels()]
+        for t in threads:
+            t.start()
+        if wait:
+            for t in threads:
+                t.join(timeout=20)
+
+    def _delete_kernel(self, kernel_id: str) -> None:
+        try:
+            self.api("DELETE", f"api/kernels/{kernel_id}", timeout=15)
+        except Exception:
+            pass
 
     def log_tail(self, n: int = 40) -> str:
         try:

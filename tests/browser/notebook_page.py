@@ -20,6 +20,15 @@ STATUS_TEXT = "#jp-main-statusbar .jp-StatusBar-TextItem"
 STDERR = "application/vnd.jupyter.stderr"         # errors and tracebacks render with this type too
 
 
+# labkit's notice after a hang, written to stderr (so Lab shows it on red): a notice, not an error.
+NOTICES = ("labkit: restarting the world",)
+
+
+def error_outputs(outputs: list[tuple[str, str]]) -> list[str]:
+    """Outputs shown as errors (tracebacks, stderr), except labkit's known notices."""
+    return [t for m, t in outputs if m == STDERR and not t.startswith(NOTICES)]
+
+
 class NotebookPage:
     def __init__(self, page: Page, server):
         self.page = page
@@ -112,7 +121,8 @@ class NotebookPage:
         return "\n".join(t for _, t in self.outputs(index))
 
     def errors(self) -> list[tuple[int, str]]:
-        return [(i, t) for i, outs in enumerate(self.all_outputs()) for m, t in outs if m == STDERR]
+        """(code-cell index, text) of every error output, see error_outputs()."""
+        return [(i, t) for i, outs in enumerate(self.all_outputs()) for t in error_outputs(outs)]
 
     def code_cell_with(self, text: str) -> int:
         """Index of the first code cell whose source contains text."""

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from notebook_page import STDERR
+from notebook_page import error_outputs
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(90)]
 
@@ -33,11 +33,6 @@ def rank_lines(text: str) -> dict[int, list[str]]:
     return by_rank
 
 
-def errors_in(outputs) -> list[str]:
-    """Error outputs (tracebacks); the restart notice labkit writes to stderr is not one."""
-    return [t for m, t in outputs if m == STDERR and not t.startswith("labkit: restarting")]
-
-
 def test_ranks_cell_typed_into_a_new_cell(nb, shot, scratch_notebook):
     """Scenario 2: a student types a %%ranks cell below the setup cell and runs it."""
     nb.open(scratch_notebook("ranks_typed", [SETUP]))
@@ -48,7 +43,7 @@ def test_ranks_cell_typed_into_a_new_cell(nb, shot, scratch_notebook):
     cell = nb.add_cell_and_run('%%ranks\nprint(f"hello from rank {rank} of {world_size}")')
     text = nb.text(cell)
     shot("output", nb.code_cell(cell))
-    assert errors_in(nb.outputs(cell)) == []
+    assert error_outputs(nb.outputs(cell)) == []
     assert rank_lines(text) == {r: [f"hello from rank {r} of {WORLD_SIZE}"] for r in range(WORLD_SIZE)}, (
         f"expected one labelled line per rank, the cell shows:\n{text}")
 
@@ -82,7 +77,7 @@ def test_deadlock_is_diagnosed_within_the_timeout(nb, shot, scratch_notebook):
     nb.run_cell(2)
     nb.wait_executed(60, cells=[2])
     shot("next-cell", nb.code_cell(2))
-    assert errors_in(nb.outputs(2)) == [], f"the next cell failed:\n{nb.text(2)}"
+    assert error_outputs(nb.outputs(2)) == [], f"the next cell failed:\n{nb.text(2)}"
     assert rank_lines(nb.text(2)) == {r: [f"next cell on rank {r}"] for r in range(WORLD_SIZE)}
 
 
