@@ -123,7 +123,8 @@ def secret_lines(root: Path) -> dict[str, str]:
     """Distinctive lines of every solution region and hidden-test region in solutions/.
 
     Returns {normalised line: 'solutions/<lab>/<nb> (solution|hidden test)'}. Lines that also
-    appear outside those regions of the source (a docstring, a visible test) are not secret.
+    appear outside those regions of the source (a docstring, a visible test) are not secret, nor
+    are comments and `raise` lines (an error message is not an answer).
     """
     import nbformat
     secret, public = {}, set()
@@ -141,7 +142,7 @@ def secret_lines(root: Path) -> dict[str, str]:
                 text = _normal(line)
                 if inside is None:
                     public.add(text)
-                elif len(text) >= MIN_LEAK_CHARS and not text.startswith("#"):
+                elif len(text) >= MIN_LEAK_CHARS and not text.startswith(("#", "raise ")):
                     secret.setdefault(text, f"{path.relative_to(root)} ({inside})")
     return {line: where for line, where in secret.items() if line not in public}
 
@@ -188,11 +189,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     root = args.root.resolve()
     if args.check:
-        problems = sync_problems(root) + leak_problems(root)
-        for problem in problems:
+        stale, leaks = sync_problems(root), leak_problems(root)
+        for problem in stale + leaks:
             print(f"labkit release --check: {problem}", file=sys.stderr)
-        if problems:
-            print("fix: edit solutions/, then run `make release` and commit labs/", file=sys.stderr)
+        if stale:
+            print("fix: edit solutions/ (never labs/), run `make release`, commit labs/", file=sys.stderr)
+        if leaks:
+            print("fix: the lines above give away a graded answer or a hidden test; rewrite them "
+                  "where they leaked (labkit may check an answer, never contain it)", file=sys.stderr)
+        if stale or leaks:
             return 1
         print(f"labkit release --check: labs/ matches solutions/ ({', '.join(lab_sources(root))}); no leaks")
         return 0
