@@ -162,9 +162,11 @@ def token_loss_gradients(loss_fn, case: dict) -> dict:
 
 
 def max_difference(per_rank: list, reference: dict) -> float:
-    """Largest absolute difference between any rank's gradient (or parameter) and the reference."""
-    return max(float((result[name].double() - ref.double()).abs().max())
-               for result in per_rank for name, ref in reference.items())
+    """Largest absolute difference between any rank's gradient (or parameter) and the reference;
+    NaN if any rank holds a NaN."""
+    gaps = [float((result[name].double() - ref.double()).abs().max())
+            for result in per_rank for name, ref in reference.items()]
+    return math.nan if any(math.isnan(g) for g in gaps) else max(gaps)
 
 
 def _hint(actual, expected, world_size) -> str:
@@ -264,12 +266,12 @@ def assert_params_match(per_rank_history: list, reference_history: list, rtol: f
         per_rank = [history[step] for history in per_rank_history]
         try:
             assert_grads_match(per_rank, reference, "data", rtol, atol,
-                               hint=_param_hint(per_rank, reference, reference_history, step))
+                               hint=_param_hint())
         except AssertionError as error:
             raise AssertionError(f"after step {step + 1}: {error}") from None
 
 
-def _param_hint(per_rank, reference, history, step) -> str:
+def _param_hint() -> str:
     return ("check that every gradient is all-reduced once, divided by the world size, and "
             "written back to p.grad before finish() returns")
 
