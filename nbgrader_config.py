@@ -19,7 +19,8 @@ c.CourseDirectory.autograded_directory = os.path.join(_grading, "autograded")
 c.CourseDirectory.feedback_directory = os.path.join(_grading, "feedback")
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(_grading, "gradebook.db")
 # Only notebooks and plain data files travel from solutions/ to labs/.
-c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.db"]
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.db", ".hypothesis",
+                            ".pytest_cache", "build"]
 
 # A released stub keeps the task-naming `raise NotImplementedError("Lab N, task M: ...")` that the
 # source writes after the solution region, so nbgrader's own stub only marks the spot.

@@ -5,7 +5,7 @@
     python -m labkit.build --only 00            # notebooks whose path contains "00"
 
 Each notebook runs under papermill with its `parameters` cell overridden (WORLD_SIZE, BACKEND,
-SCALE), in its own folder, in a fresh kernel. The executed copy goes to
+SCALE), in a fresh kernel, in a copy of its folder under build/work/. The executed copy goes to
 build/executed/<same path>.ipynb and an HTML rendering to build/html/<same path>.html; the sources
 are never written to. One progress line per notebook, a summary table at the end, exit code 1 if
 any notebook failed.
@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,12 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
     for stale in (executed, html):
         stale.unlink(missing_ok=True)
     executed.parent.mkdir(parents=True, exist_ok=True)
+    # Run in a copy of the notebook's folder, so files a notebook writes (checkpoints, caches)
+    # land under build/ and never in course/ or solutions/ (whence a release would ship them).
+    workdir = out / "work" / notebook.parent
+    shutil.copytree(root / notebook.parent, workdir, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints", "__pycache__",
+                                                  ".hypothesis", ".pytest_cache"))
     start = time.perf_counter()
     status, error = "ok", ""
     if not has_parameters_cell(root / notebook):
@@ -94,7 +101,7 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
             with _stderr_to(log):  # kernel and papermill chatter: kept, off the progress line
                 papermill.execute_notebook(
                     str(root / notebook), str(executed), parameters=parameters,
-                    kernel_name=kernel, cwd=str((root / notebook).parent),
+                    kernel_name=kernel, cwd=str(workdir),
                     execution_timeout=cell_timeout, progress_bar=False, log_output=False)
         except Exception as exc:  # PapermillExecutionError, CellTimeoutError, DeadKernelError...
             status = "FAILED"

@@ -28,6 +28,8 @@ MIN_LEAK_CHARS = 24
 # A secret line this long is a leak on its own; a shorter one only next to another secret line
 # (one generic line such as `except labkit.RankError as error:` can be written independently).
 LONE_LEAK_CHARS = 48
+# Working files that can appear next to a notebook; never part of a release or of the comparison.
+IGNORED = [".ipynb_checkpoints", "__pycache__", ".hypothesis", ".pytest_cache"]
 SCANNED_SUFFIXES = {".py", ".ipynb", ".md", ".txt", ".json", ".toml", ".cfg", ".yml", ".yaml"}
 
 
@@ -81,7 +83,7 @@ def generate(root: Path, release_dir: Path | None = None, labs: list[str] | None
 def _differences(expected: Path, actual: Path, prefix: str) -> list[str]:
     """Files that differ between two trees, as 'prefix/relative path: what'."""
     problems = []
-    compare = filecmp.dircmp(expected, actual, ignore=[".ipynb_checkpoints", "__pycache__"])
+    compare = filecmp.dircmp(expected, actual, ignore=IGNORED)
     problems += [f"{prefix}/{name}: missing (a fresh release has it)" for name in compare.left_only]
     problems += [f"{prefix}/{name}: not in a fresh release" for name in compare.right_only]
     for name in compare.common_files:
