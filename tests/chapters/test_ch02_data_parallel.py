@@ -1,0 +1,225 @@
+"""Chapter 2 / lab 2: the data-parallel test bench (labkit.dp, labkit.placement) and the lab's
+hidden tests, which must reject the classic wrong answers."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit import dp, placement
+
+ROOT = Path(__file__).resolve().parents[2]
+FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def world():
+    yield labkit.world(2, timeout=30)
+    labkit.shutdown_all()
+
+
+# ---- single-process properties of the bench ------------------------------------------------------
+
+@FEW
+@given(st.integers(0, 1000), st.integers(1, 6), st.integers(0, 4))
+def test_token_loss_sum_ignores_padding(seed, n_sequences, extra):
+    batch = dp.ragged_batch(seed, n_sequences, max_len=5)
+    model = dp.make_model(0)
+    plain_sum, plain_count = dp.token_loss_sum(model, batch)
+    padded_sum, padded_count = dp.token_loss_sum(model, batch, extra_padding=extra)
+    assert plain_count == padded_count == dp.count_tokens(batch)
+    torch.testing.assert_close(plain_sum, padded_sum, rtol=1e-12, atol=1e-12)
+
+
+@FEW
+@given(st.integers(0, 1000), st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 3))
+def test_token_loss_case_keeps_every_sequence_in_order(seed, rank_sizes, microbatches):
+    batch = dp.ragged_batch(seed, sum(rank_sizes), max_len=4)
+    case = dp.token_loss_case(batch, rank_sizes, microbatches)
+    assert all(len(pieces) == microbatches for pieces in case["per_rank"])
+    flat = [seq for pieces in case["per_rank"] for piece in pieces for seq in piece]
+    assert flat == batch
+    assert [sum(map(len, pieces)) for pieces in case["per_rank"]] == rank_sizes
+
+
+def test_split_rejects_sizes_that_do_not_add_up():
+    with pytest.raises(ValueError, match="add up to 3"):
+        dp.split([1, 2, 3], [1, 1])
+
+
+def test_reference_refuses_an_empty_global_batch():
+    with pytest.raises(ValueError, match="no valid token"):
+        dp.reference_gradients([([], [])])
+
+
+def test_make_model_is_deterministic_and_leaves_the_global_generator_alone():
+    state = torch.random.get_rng_state()
+    a, b = dp.make_model(3), dp.make_model(3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+@FEW
+@given(st.integers(0, 10_000), st.integers(1, 4))
+def test_placement_pieces_reassemble_the_full_gradient(seed, world_size):
+    case = placement.random_case(seed, world_size)
+    per_rank = [placement.local_grads(case, rank, world_size)[0] for rank in range(world_size)]
+    for got, want in zip(placement.assemble(case, per_rank), case["full"]):
+        assert torch.equal(got, want)
+    # every element of the full gradient is held somewhere, replicas by exactly `replicas` ranks
+    held = [sum(g.numel() / k for g, k in zip(*placement.local_grads(case, r, world_size)[:2]))
+            for r in range(world_size)]
+    assert math.isclose(sum(held), sum(t.numel() for t in case["full"]))
+
+
+def test_coaching_message_names_rank_parameter_and_the_missing_division():
+    reference = dp.reference_gradients(dp.ragged_batch(1, 3, 4, min_len=1))
+    doubled = [{name: 2 * g for name, g in reference.items()}] * 2
+    with pytest.raises(AssertionError, match=r"rank 0: embed.weight.grad differs .* divide by the "
+                                             r"world size after all_reduce"):
+        dp.assert_grads_match(doubled, reference)
+
+
+# ---- the bench on real ranks ---------------------------------------------------------------------
+
+def _count_from_outside(global_tokens):
+    def loss(local_sum, local_count):
+        return local_sum * dist.get_world_size() / global_tokens
+    return loss
+
+
+def _mean_of_means(local_sum, local_count):
+    return local_sum / local_count.clamp(min=1)
+
+
+@pytest.mark.timeout(120)
+@FEW
+@given(st.integers(0, 10_000), st.integers(1, 6), st.integers(0, 6), st.integers(1, 3),
+       st.integers(0, 2))
+def test_harness_gives_the_reference_for_any_split_with_the_right_scale(world, seed, n, cut,
+                                                                         microbatches, extra):
+    batch = dp.ragged_batch(seed, n, max_len=5) + [([1], [2])]
+    cut = min(cut, len(batch))
+    case = dp.token_loss_case(batch, [cut, len(batch) - cut], microbatches, extra)
+    loss = _count_from_outside(dp.count_tokens(batch))
+    per_rank = world.call(dp.token_loss_gradients, args=(loss, case), timeout=60)
+    dp.assert_grads_match(per_rank, dp.reference_gradients(batch))
+
+
+@pytest.mark.timeout(60)
+def test_harness_exposes_the_mean_of_means_on_a_skewed_split(world):
+    batch = [([1] * 9, [2] * 9), ([4], [5]), ([6], [7])]
+    case = dp.token_loss_case(batch, [1, 2])
+    per_rank = world.call(dp.token_loss_gradients, args=(_mean_of_means, case), timeout=60)
+    assert dp.max_difference(per_rank, dp.reference_gradients(batch)) > 1e-3
+    with pytest.raises(AssertionError, match="mean of per-rank means"):
+        dp.assert_grads_match(per_rank, dp.reference_gradients(batch))
+
+
+class _PerParameterSync:
+    """A plain (unbucketed, after-backward) synchroniser, to test the bench."""
+
+    def __init__(self, model, bucket_bytes):
+        self.model = model
+
+    def finish(self):
+        for p in self.model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+class _NoSync(_PerParameterSync):
+    def finish(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_training_harness_and_trace_count(world):
+    case = dp.training_case(seed=2, world_size=2, steps=3)
+    with world.tracing() as trace:
+        histories = world.call(dp.train_with_grad_sync, args=(_PerParameterSync, case), timeout=60)
+    dp.assert_params_match(histories, dp.reference_training(case))
+    assert dp.all_reduced_elements(trace, 1) == 3 * dp.parameter_elements(case)
+    unsynced = world.call(dp.train_with_grad_sync, args=(_NoSync, case), timeout=60)
+    with pytest.raises(AssertionError, match="after step 1: rank 0"):
+        dp.assert_params_match(unsynced, dp.reference_training(case))
+
+
+@pytest.mark.timeout(60)
+def test_placement_harness_runs_a_rank_without_gradients(world):
+    case = placement.lonely_case(2)
+    assert placement.local_grads(case, 1, 2)[0] == []
+
+    def count_pieces(grads, replicas, device):
+        t = torch.tensor([float(len(grads))], device=device)
+        dist.all_reduce(t)
+        return t.item()
+    assert world.call(placement.run_grad_norm, args=(count_pieces, case), timeout=30) == [3.0, 3.0]
+
+
+# ---- the lab's hidden tests reject the wrong answers ---------------------------------------------
+
+def _autograde_helpers():
+    spec = importlib.util.spec_from_file_location("_autograde", ROOT / "tests" / "test_autograde.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAB = "lab02_data_parallel"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+
+
+def _answer_source(grade_id):
+    import nbformat
+    nb = nbformat.read(str(SOLUTION), as_version=4)
+    return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def _bad_variants():
+    norm_solution = _answer_source("task2_global_grad_norm")
+    sync_solution = _answer_source("task3_bucketed_grad_sync")
+    twice = "        self.in_flight, self.arrived = [], [0] * len(self.buckets)\n"
+    assert twice in sync_solution and "flat /= self.world_size\n" in sync_solution
+    return {
+        "mean-of-means": ("task1_ddp_token_loss", '''
+def ddp_token_loss(local_sum, local_count):
+    return local_sum / local_count.clamp(min=1)     # this rank's mean; DDP averages the means
+''', "test_task1_ddp_token_loss"),
+        "double-counted-replicas": ("task2_global_grad_norm", norm_solution.replace(
+            "square().sum() / copies", "square().sum()"), "test_task2_global_grad_norm"),
+        "all-reduced-twice": ("task3_bucketed_grad_sync", sync_solution.replace(twice, twice + '''
+        for bucket in self.buckets:
+            for p in bucket:
+                dist.all_reduce(p.grad)              # a second time: values unchanged, bytes doubled
+                p.grad /= self.world_size
+'''), "test_task3_bucketed_grad_sync"),
+        "forgot-to-average": ("task3_bucketed_grad_sync",
+                              sync_solution.replace("flat /= self.world_size\n", "pass\n"),
+                              "test_task3_bucketed_grad_sync"),
+    }
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
+def test_hidden_tests_reject_the_classic_mistakes(tmp_path):
+    from nbgrader.api import Gradebook
+    helpers = _autograde_helpers()
+    variants = _bad_variants()
+    submissions = {name: helpers.with_answer(SOLUTION, grade_id, source, tmp_path / name)
+                   for name, (grade_id, source, _) in variants.items()}
+    scores = helpers.autograde(tmp_path / "course", LAB, submissions)
+    db = f"sqlite:///{tmp_path / 'course' / 'gradebook.db'}"
+    with Gradebook(db) as gradebook:
+        for name, (_, _, test_id) in variants.items():
+            score, max_score = scores[name]
+            lost = {g.name for g in gradebook.find_submission_notebook(LAB, LAB, name).grades
+                    if g.max_score and g.score < g.max_score}
+            assert lost == {test_id}, f"{name}: lost points in {sorted(lost)}, expected only {test_id} " \
+                                      f"(score {score} of {max_score})"
