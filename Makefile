@@ -42,7 +42,7 @@ test: $(STAMP)
 	  exit $$status
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ServerApp.root_dir=. $(LAB_ARGS)
+	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 release: $(STAMP)
 	$(BIN)/python -m labkit.release
