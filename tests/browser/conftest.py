@@ -43,7 +43,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
-    if "browser" in item.keywords:
+    if item.get_closest_marker("browser"):   # (item.keywords would also hold the folder's name)
         _times.setdefault(item.name, {})[rep.when] = rep.duration
 
 
@@ -109,6 +109,9 @@ def lab(sync_playwright, lab_root, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def browser(sync_playwright, tmp_path_factory):
+    if SCREENSHOTS.is_dir():   # the screenshots show the last run only
+        for old in [*SCREENSHOTS.glob("*.png"), SCREENSHOTS / "timings.txt"]:
+            old.unlink(missing_ok=True)
     started = time.monotonic()
     pw = sync_playwright().start()
     try:

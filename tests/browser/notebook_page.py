@@ -120,6 +120,18 @@ class NotebookPage:
     def text(self, index: int) -> str:
         return "\n".join(t for _, t in self.outputs(index))
 
+    def rank_lines(self, index: int) -> dict[int, list[str]]:
+        """What each rank printed in a code cell, as a person reads it: from labkit's side-by-side
+        view (utils/labkit/display.py) where the cell shows one, else from `[rank k] text` lines."""
+        view = self.code_cell(index).locator("td[data-rank]")
+        if view.count():
+            return {int(td.get_attribute("data-rank")): td.inner_text().rstrip("\n").split("\n")
+                    for td in view.all()}
+        by_rank: dict[int, list[str]] = {}
+        for m in re.finditer(r"^\[rank\s*(\d+)\]\s?(.*)$", self.text(index), flags=re.M):
+            by_rank.setdefault(int(m.group(1)), []).append(m.group(2))
+        return by_rank
+
     def errors(self) -> list[tuple[int, str]]:
         """(code-cell index, text) of every error output, see error_outputs()."""
         return [(i, t) for i, outs in enumerate(self.all_outputs()) for t in error_outputs(outs)]

@@ -16,26 +16,21 @@ from notebook_page import error_outputs
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(90)]
 
-WORLD_SIZE = 3
-SETUP = f"""import time
-import torch
-import torch.distributed as dist
-import labkit
-world = labkit.world({WORLD_SIZE})
-%load_ext labkit"""
+WORLD_SIZE = 2          # each rank imports torch: small worlds keep the suite under two minutes
 
 
-def rank_lines(text: str) -> dict[int, list[str]]:
-    """The lines of a cell's output that carry a rank label, by rank."""
-    by_rank: dict[int, list[str]] = {}
-    for m in re.finditer(r"^\[rank\s*(\d+)\]\s?(.*)$", text, flags=re.M):
-        by_rank.setdefault(int(m.group(1)), []).append(m.group(2))
-    return by_rank
+def setup_cell(world_size: int = WORLD_SIZE) -> str:
+    return ("import time\n"
+            "import torch\n"
+            "import torch.distributed as dist\n"
+            "import labkit\n"
+            f"world = labkit.world({world_size})\n"
+            "%load_ext labkit")
 
 
 def test_ranks_cell_typed_into_a_new_cell(nb, shot, scratch_notebook):
     """Scenario 2: a student types a %%ranks cell below the setup cell and runs it."""
-    nb.open(scratch_notebook("ranks_typed", [SETUP]))
+    nb.open(scratch_notebook("ranks_typed", [setup_cell()]))
     nb.run_cell(0)
     nb.wait_executed(60, cells=[0])
     assert nb.errors() == [], f"the setup cell failed: {nb.errors()}"
@@ -44,19 +39,20 @@ def test_ranks_cell_typed_into_a_new_cell(nb, shot, scratch_notebook):
     text = nb.text(cell)
     shot("output", nb.code_cell(cell))
     assert error_outputs(nb.outputs(cell)) == []
-    assert rank_lines(text) == {r: [f"hello from rank {r} of {WORLD_SIZE}"] for r in range(WORLD_SIZE)}, (
+    assert nb.rank_lines(cell) == {r: [f"hello from rank {r} of {WORLD_SIZE}"] for r in range(WORLD_SIZE)}, (
         f"expected one labelled line per rank, the cell shows:\n{text}")
 
 
 def test_deadlock_is_diagnosed_within_the_timeout(nb, shot, scratch_notebook):
-    """Scenario 3: rank 1 skips an all_reduce the others wait in; the cell's timeout is 5 s."""
-    timeout_s = 5
+    """Scenario 3: in a world of 3, rank 1 skips an all_reduce that ranks 0 and 2 wait in; the
+    cell's timeout is 3 s."""
+    timeout_s, world_size = 3, 3
     deadlock = (f"%%ranks --timeout {timeout_s}\n"
                 "x = torch.ones(1)\n"
                 "if rank != 1:\n"
                 "    dist.all_reduce(x)   # rank 1 never joins\n")
     after = "%%ranks\nprint('next cell on rank', rank)"
-    nb.open(scratch_notebook("deadlock", [SETUP, deadlock, after]))
+    nb.open(scratch_notebook("deadlock", [setup_cell(world_size), deadlock, after]))
     nb.run_cell(0)
     nb.wait_executed(60, cells=[0])
 
@@ -78,7 +74,7 @@ def test_deadlock_is_diagnosed_within_the_timeout(nb, shot, scratch_notebook):
     nb.wait_executed(60, cells=[2])
     shot("next-cell", nb.code_cell(2))
     assert error_outputs(nb.outputs(2)) == [], f"the next cell failed:\n{nb.text(2)}"
-    assert rank_lines(nb.text(2)) == {r: [f"next cell on rank {r}"] for r in range(WORLD_SIZE)}
+    assert nb.rank_lines(2) == {r: [f"next cell on rank {r}"] for r in range(world_size)}
 
 
 def rank_processes(nb) -> list[psutil.Process]:
@@ -101,14 +97,14 @@ def test_stop_button_ends_a_long_call(nb, shot, scratch_notebook):
                  "    return x.item()\n"
                  "\n"
                  "world.run(long_step, 60)")
-    nb.open(scratch_notebook("interrupt", [SETUP, long_call]))
+    nb.open(scratch_notebook("interrupt", [setup_cell(), long_call]))
     nb.run_cell(0)
     nb.wait_executed(60, cells=[0])
     ranks_before = rank_processes(nb)
 
     nb.run_cell(1)
     nb.wait_running(1)
-    time.sleep(2.0)                                   # well inside the call
+    time.sleep(1.0)                                   # inside the call (60 s long)
     ranks_during = rank_processes(nb)
     assert len(ranks_during) == WORLD_SIZE, f"expected {WORLD_SIZE} rank processes: {ranks_during}"
     nb.interrupt()
