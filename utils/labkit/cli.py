@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build": ("labkit.build", "execute every course notebook and lab solution headless"),
     "release": ("labkit.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
     "torchrun": ("labkit.torchrun", "run a module:function on ranks started by torchrun (env://)"),
+    "grade": ("labkit.grading.cli", "autograde a folder of submissions of a lab (docs/INSTRUCTORS.md)"),
+    "dist": ("labkit.dist", "build the student distribution (no solutions, hidden tests, gradebook)"),
 }
 
 

@@ -81,6 +81,15 @@ def _as_node(output):
     return nbformat.from_dict(output)
 
 
+class Renode(NbGraderPreprocessor):
+    """After OverwriteCells: a re-added cell's metadata is a plain dict (nbgrader 0.9.6 builds it
+    with a shallow NotebookNode), which CheckCellMetadata then trips over; make it nodes again."""
+
+    def preprocess(self, nb, resources):
+        import nbformat
+        return nbformat.from_dict(nb), resources
+
+
 class ScrubHidden(NbGraderPreprocessor):
     hidden = Dict({}, help="grade_id -> hidden lines of that test cell").tag(config=True)
 

@@ -87,7 +87,8 @@ def restore(nb, db_url: str, lab: str, notebook_id: str, student_id: str, config
     config.OverwriteCells.add_missing_cells = True
     resources = {"nbgrader": {"student": student_id, "assignment": lab,
                               "notebook": notebook_id, "db_url": db_url}}
-    for cls in (ClearOutput, DeduplicateIds, OverwriteKernelspec, OverwriteCells,
+    from labkit.grading.nbhooks import Renode
+    for cls in (ClearOutput, DeduplicateIds, OverwriteKernelspec, OverwriteCells, Renode,
                 CheckCellMetadata):
         nb, resources = cls(config=config).preprocess(nb, resources)
     return nb

@@ -86,6 +86,13 @@ def _config(course: str, source_root: str, out: str, db_url: str, lab: str):
     config.CourseDirectory.db_url = db_url
     config.CourseDirectory.course_id = config.CourseDirectory.get("course_id", "")
     config.OverwriteCells.add_missing_cells = True
+    config.Autograde.sanitize_preprocessors = [
+        "nbgrader.preprocessors.ClearOutput",
+        "nbgrader.preprocessors.DeduplicateIds",
+        "nbgrader.preprocessors.OverwriteKernelspec",
+        "nbgrader.preprocessors.OverwriteCells",
+        "labkit.grading.nbhooks.Renode",
+        "nbgrader.preprocessors.CheckCellMetadata"]
     config.Autograde.autograde_preprocessors = [
         "labkit.grading.nbhooks.InjectVerdicts",
         "nbgrader.preprocessors.IgnorePattern",
@@ -164,8 +171,35 @@ def find_submissions(submissions_dir: str, lab: str, notebook_ids: list) -> dict
     return found
 
 
-def _copy_submission(notebooks: dict, dest: str) -> list:
+def normalise_metadata(data: bytes, source_nb) -> bytes:
+    """nbgrader metadata as the source has it: a cell whose grade_id the source knows gets the
+    source's flags and points back (a test cell turned into a non-graded or solution cell, or
+    given more points, is a test cell again); an unknown grade_id loses its nbgrader metadata."""
+    import nbformat
+    nb = nbformat.reads(data.decode("utf-8", errors="replace"), as_version=4)
+    known = {c.metadata["nbgrader"]["grade_id"]: c.metadata["nbgrader"]
+             for c in source_nb.cells if "grade_id" in c.metadata.get("nbgrader", {})}
+    kinds = {c.metadata["nbgrader"]["grade_id"]: c.cell_type
+             for c in source_nb.cells if "grade_id" in c.metadata.get("nbgrader", {})}
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader")
+        if not isinstance(meta, dict):
+            cell.metadata.pop("nbgrader", None)
+            continue
+        grade_id = meta.get("grade_id")
+        if grade_id in known and kinds[grade_id] == cell.cell_type:
+            cell.metadata["nbgrader"] = {k: v for k, v in known[grade_id].items()
+                                         if k != "checksum"}
+            if "checksum" in meta:
+                cell.metadata["nbgrader"]["checksum"] = meta["checksum"]
+        else:
+            cell.metadata.pop("nbgrader", None)
+    return nbformat.writes(nb).encode()
+
+
+def _copy_submission(notebooks: dict, dest: str, source_dir: str) -> list:
     """Copy without following links, refusing oversized files; return problems."""
+    import nbformat
     problems = []
     os.makedirs(dest, exist_ok=True)
     for nb_id, path in notebooks.items():
@@ -180,9 +214,10 @@ def _copy_submission(notebooks: dict, dest: str) -> list:
             problems.append(f"{nb_id}: larger than {MAX_NOTEBOOK_BYTES >> 20} MiB, not graded")
             continue
         try:
-            json.loads(data)
-        except ValueError:
-            problems.append(f"{nb_id}: not a notebook (invalid JSON)")
+            source_nb = nbformat.read(os.path.join(source_dir, f"{nb_id}.ipynb"), as_version=4)
+            data = normalise_metadata(data, source_nb)
+        except Exception:  # noqa: BLE001 (whatever is wrong with it, it is not a notebook)
+            problems.append(f"{nb_id}: not a readable notebook")
             data = json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
                                "nbformat_minor": 5}).encode()
         with open(os.path.join(dest, f"{nb_id}.ipynb"), "wb") as f:
@@ -268,7 +303,7 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     for student, notebooks in submissions.items():
         dest = os.path.join(work, "submitted", student, lab)
         shutil.rmtree(dest, ignore_errors=True)
-        copy_problems[student] = _copy_submission(notebooks, dest)
+        copy_problems[student] = _copy_submission(notebooks, dest, source_dir)
         nonces[student] = secrets.token_hex(16)
         result_path = os.path.join(work, "results", f"{student}.json")
         if os.path.exists(result_path):

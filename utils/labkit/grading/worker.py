@@ -37,6 +37,7 @@ class Session:
         self.cell_timeout = float(job["cell_timeout"])
         self.box = None
         self.cells: list = []
+        self.setup_cells: set = set()
         self.recorded: dict = {}
         self.bad: set = set()
         self.restarts = 0
@@ -69,7 +70,11 @@ class Session:
                     self.recorded.setdefault(index, [_note("not run: the submission's time "
                                                            "limit was reached")])
                     continue
-                result = self.box.execute(source, min(self.cell_timeout, self.remaining()))
+                # locked setup cells are the instructor's (starting a world under load takes
+                # a while): they get at least a minute
+                limit = self.cell_timeout if index not in self.setup_cells else \
+                    max(self.cell_timeout, 60.0)
+                result = self.box.execute(source, min(limit, self.remaining()))
                 outputs = list(result.outputs)
                 if result.status == "timeout":
                     outputs.append(_note(f"stopped: this cell ran past its time limit "
@@ -182,6 +187,8 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
     try:
         kernel_cells = [(i, c.source) for i, c in enumerate(restored.cells)
                         if nbtools.role(c) in ("answer", "setup", "other")]
+        session.setup_cells = {i for i, c in enumerate(restored.cells)
+                               if nbtools.role(c) == "setup"}
         session.run_cells(kernel_cells)
         runner = TrustedRunner(session, nbtools.task_names(source_nb))
         source_index = {c.metadata.get("nbgrader", {}).get("grade_id"): i

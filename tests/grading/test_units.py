@@ -1,0 +1,73 @@
+"""Fast checks of the grader's pieces (no kernel, no sandbox)."""
+import pytest
+
+from labkit.grading import check
+from labkit.grading.notebook import hidden_lines, hidden_texts
+from labkit.grading.trusted import rebuild_error, render_error
+
+pytestmark = pytest.mark.timeout(60)
+
+CELL = "assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(5) == 10, 'secret'\n### END HIDDEN TESTS"
+
+
+def _fail(source):
+    try:
+        exec(compile(source, "<test t>", "exec"), {"f": lambda x: x})
+    except AssertionError as error:
+        return error
+
+
+def test_hidden_lines_and_texts():
+    assert hidden_lines(CELL) == {2, 3, 4}
+    assert hidden_texts(CELL) == ["assert f(5) == 10, 'secret'"]
+
+
+def test_visible_failure_shows_its_line():
+    out = render_error(_fail(CELL), CELL, "<test t>", hidden_lines(CELL))
+    assert out["ename"] == "AssertionError" and "assert f(1) == 2" in "\n".join(out["traceback"])
+
+
+def test_hidden_failure_shows_no_source_and_no_message():
+    source = CELL.replace("f(1) == 2", "f(1) == 1")
+    out = render_error(_fail(source), source, "<test t>", hidden_lines(source))
+    text = repr(out)
+    assert out["ename"] == "HiddenTestFailed" and "secret" not in text and "f(5)" not in text
+
+
+def test_student_errors_are_rebuilt_as_local_classes():
+    assert type(rebuild_error({"type": "ValueError", "module": "builtins", "message": "m"})) \
+        is ValueError
+    # a BaseException (SystemExit, KeyboardInterrupt) is never rebuilt as itself
+    assert not isinstance(rebuild_error({"type": "SystemExit", "module": "builtins"}),
+                          SystemExit)
+    from labkit.errors import RankError
+    error = rebuild_error({"type": "RankError", "module": "labkit.errors", "message": "x",
+                          "rank": 1, "errors": {0: "tb", 1: "tb"}})
+    assert isinstance(error, RankError) and sorted(error.errors) == [0, 1]
+
+
+def test_check():
+    import torch
+    check([torch.ones(2), 3], [torch.ones(2), 3.0])
+    with pytest.raises(AssertionError, match=r"out\[0\]: shape"):
+        check([torch.ones(3)], [torch.ones(2)], "out")
+
+
+def test_normalise_metadata_restores_flags():
+    import nbformat
+    from labkit.grading.pipeline import normalise_metadata
+    source = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "assert x", metadata={"nbgrader": {"grade": True, "grade_id": "t", "locked": True,
+                                           "points": 2, "solution": False,
+                                           "schema_version": 3}})])
+    student = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("assert True", metadata={"nbgrader": {
+            "grade": False, "grade_id": "t", "locked": False, "points": 100, "solution": True,
+            "schema_version": 3}}),
+        nbformat.v4.new_code_cell("pass", metadata={"nbgrader": {
+            "grade": True, "grade_id": "invented", "points": 50, "solution": False,
+            "locked": True, "schema_version": 3}})])
+    fixed = nbformat.reads(normalise_metadata(nbformat.writes(student).encode(), source), 4)
+    assert fixed.cells[0].metadata.nbgrader["points"] == 2
+    assert fixed.cells[0].metadata.nbgrader["grade"] is True
+    assert "nbgrader" not in fixed.cells[1].metadata
