@@ -166,7 +166,7 @@ def shot(request, nb):
         path = SCREENSHOTS / f"{test}-{step}.png"
         if locator is not None:
             locator.evaluate(f"e => e.scrollIntoView({{block: '{'end' if end else 'nearest'}'}})")
-        time.sleep(0.2)  # let the last output paint
+        time.sleep(0.1)  # let the last output paint
         nb.page.screenshot(path=str(path))
         return path
 

@@ -89,6 +89,7 @@ class LabServer:
                     {"disabledExtensions": {"ipyparallel-labextension": True}})
         _write_json(s / "config/jupyter_server_config.json", {"ServerApp": {"jpserver_extensions": {
             "ipyparallel": False,
+            "jupyter_lsp": False,      # scans the machine for language servers at start
             "nbgrader.server_extensions.formgrader": False,
             "nbgrader.server_extensions.course_list": False,
             "nbgrader.server_extensions.assignment_list": False,

@@ -18,7 +18,7 @@ LIVE = ("import time\n"
         "for i in range(3):\n"
         "    for r in range(2):\n"
         "        view.add(r, f'line {i} of rank {r}')\n"
-        "    time.sleep(1.0)\n"
+        "    time.sleep(0.5)\n"
         "view.close()")
 
 

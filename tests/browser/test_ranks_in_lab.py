@@ -20,10 +20,9 @@ WORLD_SIZE = 2          # each rank imports torch: small worlds keep the suite u
 
 
 def setup_cell(world_size: int = WORLD_SIZE) -> str:
-    return ("import time\n"
-            "import torch\n"
-            "import torch.distributed as dist\n"
-            "import labkit\n"
+    # The kernel does not import torch (labkit does not need it there, and it costs seconds of
+    # CPU); code that runs on the ranks imports it there.
+    return ("import labkit\n"
             f"world = labkit.world({world_size})\n"
             "%load_ext labkit")
 
@@ -90,6 +89,9 @@ def test_stop_button_ends_a_long_call(nb, shot, scratch_notebook):
     """Scenario 4: the stop button during a 60 s loop of all_reduces ends it within seconds, with
     the diagnosis, and leaves no rank process."""
     long_call = ("def long_step(seconds):\n"
+                 "    import time\n"
+                 "    import torch\n"
+                 "    import torch.distributed as dist\n"
                  "    x = torch.ones(1)\n"
                  "    for _ in range(int(seconds * 10)):\n"
                  "        dist.all_reduce(x)\n"
