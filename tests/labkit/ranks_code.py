@@ -103,3 +103,22 @@ def collectives(k):
 
 def pids():
     return os.getpid()
+
+
+def ring_exchange(n):
+    """Every rank isends to the next and irecvs from the previous, both in flight together."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out, into = torch.ones(n), torch.empty(n)
+    sending = dist.isend(out, (rank + 1) % size)
+    receiving = dist.irecv(into, (rank - 1) % size)
+    sending.wait()
+    receiving.wait()
+    return into.sum().item()
+
+
+def c10d_direct():
+    from torch.distributed import distributed_c10d
+    t = torch.ones(2)
+    distributed_c10d.all_reduce(t)
+    dist.all_gather_object([None] * dist.get_world_size(), dist.get_rank())
+    return t[0].item()

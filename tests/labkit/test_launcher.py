@@ -206,3 +206,18 @@ def test_trace_timeline_draws_one_bar_per_finished_op(world2):
         world2.run(rc.collectives, 3)
     ax = trace.plot_timeline()
     assert len(ax.patches) == len([r for r in trace.records if r["finished"]]) == 6
+
+
+def test_overlapping_async_ops_are_counted_once():
+    world = labkit.world(2, timeout=30, teaching=False)
+    n = 1 << 18
+    with world.tracing() as trace:
+        world.run(rc.ring_exchange, n)
+    for rank in (0, 1):
+        assert trace.bytes_sent(rank) == pytest.approx(n * 4, rel=0.01)
+
+
+def test_collectives_called_through_distributed_c10d_are_traced_once(world2):
+    with world2.tracing() as trace:
+        world2.run(rc.c10d_direct)
+    assert [r["op"] for r in trace.ops(rank=0)] == ["all_reduce", "all_gather_object"]

@@ -8,12 +8,16 @@ kept while tracing is on.
 
 `wire_bytes_sent` is what this process wrote to the kernel during the op (`wchar` in
 /proc/self/io): under gloo that is the bytes put on the sockets, whatever algorithm gloo picked.
+The counter is per process, so ops in flight at the same time (isend + irecv) each see the
+other's bytes too; `wchar_start`/`wchar_end` (the counter's values) let `Trace.bytes_sent`
+count the union of those intervals, every byte once.
 """
 
 import collections
 import inspect
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -43,6 +47,7 @@ class _State:
 
 
 STATE = _State()
+_INSIDE = threading.local()   # .active: inside a recorded op on this thread
 
 
 def _wchar():
@@ -118,8 +123,9 @@ def _finish(record):
     if record["finished"]:
         return
     record["t_end"] = time.time()
-    start = record.pop("_wchar0", None)
+    start = record["wchar_start"]
     end = _wchar() if start is not None else None
+    record["wchar_end"] = end
     record["wire_bytes_sent"] = None if end is None else end - start
     record["finished"] = True
     try:
@@ -132,6 +138,8 @@ def _wrap(name, function, point_to_point):
     signature = inspect.signature(function)
 
     def traced(*args, **kwargs):
+        if getattr(_INSIDE, "active", False):   # torch calling its own collectives inside one we already record
+            return function(*args, **kwargs)
         _fire_fault()
         try:
             bound = signature.bind(*args, **kwargs).arguments
@@ -156,14 +164,14 @@ def _wrap(name, function, point_to_point):
             "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
             "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "wire_bytes_sent": None, "t_start": time.time(), "t_end": None, "finished": False,
-            "failed": False,
+            "failed": False, "wchar_start": _wchar() if STATE.count_wire else None,
+            "wchar_end": None,
         }
-        if STATE.count_wire:
-            record["_wchar0"] = _wchar()
         STATE.recent.append(record)
         STATE.current.append(record)
         if STATE.records is not None:
             STATE.records.append(record)
+        _INSIDE.active = True
         try:
             result = function(*args, **kwargs)
         except BaseException:
@@ -171,6 +179,8 @@ def _wrap(name, function, point_to_point):
             STATE.failed_op = record
             _finish(record)
             raise
+        finally:
+            _INSIDE.active = False
         if result is not None and hasattr(result, "wait") and hasattr(result, "is_completed"):
             return _TracedWork(result, record)
         _finish(record)
@@ -183,7 +193,11 @@ def _wrap(name, function, point_to_point):
 
 
 def install(count_wire=True):
-    """Replace the public communication functions of torch.distributed with traced ones."""
+    """Replace torch.distributed's communication functions with traced ones, both where users
+    reach them (`torch.distributed.X`) and where they live (`distributed_c10d.X`), so calling
+    the second does not slip past the trace. Calls torch makes inside a recorded op (e.g.
+    all_gather_object's all_gather) are not recorded again."""
+    from torch.distributed import distributed_c10d
     STATE.count_wire = count_wire and _wchar() is not None
     for name in COLLECTIVES + POINT_TO_POINT:
         function = getattr(dist, name, None)
@@ -192,6 +206,8 @@ def install(count_wire=True):
         traced = _wrap(name, function, name in POINT_TO_POINT)
         traced._labkit = True
         setattr(dist, name, traced)
+        if getattr(distributed_c10d, name, None) is function:
+            setattr(distributed_c10d, name, traced)
 
 
 def public(record):

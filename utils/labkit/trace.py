@@ -45,11 +45,22 @@ class Trace:
         return sorted({r["op"] for r in self.ops(rank)})
 
     def bytes_sent(self, rank, op=None):
-        """Bytes the rank wrote to the wire during its ops (None if not countable here)."""
-        counts = [r["wire_bytes_sent"] for r in self.ops(rank, op)]
-        if any(c is None for c in counts):
+        """Bytes the rank wrote to the wire during its ops (None if not countable here).
+
+        Ops in flight together (isend + irecv) share one per-process counter, so this counts
+        the union of their counter intervals: every byte once. With `op`, ops of other kinds
+        that overlap the selected ones in time are counted too."""
+        spans = [(r["wchar_start"], r["wchar_end"]) for r in self.ops(rank, op)]
+        if any(start is None or end is None for start, end in spans):
             return None
-        return sum(counts)
+        total, reached = 0, None
+        for start, end in sorted(spans):
+            if reached is not None and start < reached:
+                start = reached
+            if end > start:
+                total += end - start
+            reached = end if reached is None else max(reached, end)
+        return total
 
     def tensor_bytes(self, rank, op=None):
         return sum(r["tensor_bytes"] for r in self.ops(rank, op))
