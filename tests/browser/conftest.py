@@ -164,10 +164,11 @@ def shot(request, nb):
         """locator: scrolled into view first; end=True brings its bottom into view instead (the
         last lines of a long output, where a diagnosis ends with its verdict)."""
         path = SCREENSHOTS / f"{test}-{step}.png"
+        page = nb.page if locator is None else locator.page   # a test may use a second tab
         if locator is not None:
             locator.evaluate(f"e => e.scrollIntoView({{block: '{'end' if end else 'nearest'}'}})")
         time.sleep(0.1)  # let the last output paint
-        nb.page.screenshot(path=str(path))
+        page.screenshot(path=str(path))
         return path
 
     return take
