@@ -25,9 +25,13 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP)
 
-# The environment is rebuilt only when pyproject.toml (the single dependency list) changes.
+# The environment is rebuilt only when pyproject.toml (the single dependency list) changes;
+# a half-made one (no working pip) is made again from scratch.
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || { echo "creating $(VENV) with $$($(PYTHON) --version)"; $(PYTHON) -m venv $(VENV); }
+	@if ! $(BIN)/python -m pip --version >/dev/null 2>&1; then \
+	  echo "creating $(VENV) with $$($(PYTHON) --version)"; rm -rf $(VENV); \
+	  $(PYTHON) -m venv $(VENV) || { echo "could not create $(VENV)" >&2; rm -rf $(VENV); exit 1; }; \
+	fi
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	@touch $@
