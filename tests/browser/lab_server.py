@@ -34,6 +34,16 @@ class LabStartError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the Lab process before exec: SIGTERM it when the test process dies, even by SIGKILL
+    (Linux prctl PR_SET_PDEATHSIG); Lab then shuts its kernels down itself."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def free_port() -> int:
     """A port nothing listens on now (the OS picks it). Lab is started with port_retries=0, so a race
     with another process shows as a start failure, which start() retries with a new port."""
@@ -119,7 +129,8 @@ class LabServer:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=self.root_dir, env=self._env(), stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # own process group: killpg at the end
+                                     start_new_session=True,  # own process group: killpg at the end
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

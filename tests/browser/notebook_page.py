@@ -74,6 +74,29 @@ class NotebookPage:
                 raise TimeoutError(f"cells not done after {timeout_s} s; prompts: {prompts}")
             time.sleep(0.1)
 
+    def wait_run_all(self, timeout_s: float) -> None:
+        """Waits until Run All is over: every code cell numbered, or nothing queued ([*]) and the
+        kernel idle for a second (Run All stops at the first error; later cells stay [ ])."""
+        deadline = time.monotonic() + timeout_s
+        settled_since = None
+        while True:
+            prompts = [p.strip() for p in self.prompts()]
+            if prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
+                return
+            if "[*]:" not in prompts and self.kernel_status().endswith("| Idle"):
+                settled_since = settled_since or time.monotonic()
+                if time.monotonic() - settled_since > 1.0:
+                    return
+            else:
+                settled_since = None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Run All not done after {timeout_s} s; prompts: {prompts}")
+            time.sleep(0.1)
+
+    def not_run(self) -> list[int]:
+        """Code cells without an execution count."""
+        return [i for i, p in enumerate(self.prompts()) if not re.fullmatch(r"\[\d+\]:", p.strip())]
+
     def wait_running(self, cell: int, timeout_s: float = 10) -> None:
         expect(self.code_cell(cell).locator(".jp-InputPrompt")).to_have_text(
             re.compile(r"\[\*\]"), timeout=timeout_s * 1000)

@@ -45,8 +45,9 @@ def test_run_all_chapters(nb, lab, browser, shot):
             page.open(path)
             page.run_all()
         widget_problems = []
+        deadline = time.monotonic() + 80
         for name, (page, path, needs_plot_and_widget) in chapters.items():
-            page.wait_executed(90)
+            page.wait_run_all(max(1.0, deadline - time.monotonic()))
             page.wait_kernel_idle(30)   # widgets and late display updates come after the prompt
             widget_problems += check_chapter(page, shot, name, path, needs_plot_and_widget)
     finally:
@@ -62,7 +63,8 @@ def check_chapter(nb, shot, name: str, path: str, needs_plot_and_widget: bool) -
     outputs = nb.all_outputs()
     errors = nb.errors()
     assert errors == [], f"{path}: cells with an error or stderr output after Run All:\n" + (
-        "\n".join(f"cell {i}: {t[:500]}" for i, t in errors))
+        "\n".join(f"cell {i}: {t[-800:]}" for i, t in errors))
+    assert nb.not_run() == [], f"{path}: code cells that Run All did not run: {nb.not_run()}"
 
     # A world call's per-rank output: some cell shows a labelled line from every rank.
     world_size = int(re.search(r"^WORLD_SIZE = (\d+)", nb.panel.locator(".jp-CodeCell .cm-content")
