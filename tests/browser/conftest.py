@@ -146,7 +146,8 @@ def nb(request, lab, browser):
         if rep is not None and rep.failed:
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
             try:
-                page.screenshot(path=str(SCREENSHOTS / f"FAILED-{request.node.name}.png"), timeout=5000)
+                page.screenshot(path=str(SCREENSHOTS / f"FAILED-{request.node.name}.png"),
+                                timeout=5000)
             except Exception:
                 pass
         page.close()

@@ -1,8 +1,8 @@
-"""A throwaway JupyterLab server for the browser tests: free port, temporary settings, stopped for sure.
+"""A throwaway JupyterLab server for the browser tests: free port, throwaway settings, sure to stop.
 
-    server = LabServer(root_dir)        # root_dir: the folder Lab shows (a tmp copy of the notebooks)
+    server = LabServer(root_dir, state_dir)   # root_dir: what Lab shows; state_dir: its settings
     server.start()                      # bounded: raises LabStartError with Lab's log after 60 s
-    server.url("lab/tree/x.ipynb")      # -> http://127.0.0.1:<port>/lab/tree/x.ipynb?reset&token=...
+    server.url("lab/tree/x.ipynb")      # http://127.0.0.1:<port>/lab/tree/x.ipynb?reset&token=...
     server.stop()                       # REST shutdown, then SIGTERM/SIGKILL of anything left
 
 Every process Lab starts (kernels, and the rank processes those start) is tracked with psutil, so
@@ -45,7 +45,7 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
-    """A port nothing listens on now (the OS picks it). Lab is started with port_retries=0, so a race
+    """A port nothing listens on now (the OS picks it). Lab starts with port_retries=0, so a race
     with another process shows as a start failure, which start() retries with a new port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +60,7 @@ def _write_json(path: Path, data: dict) -> None:
 class LabServer:
     def __init__(self, root_dir: Path, state_dir: Path):
         self.root_dir = Path(root_dir)
-        self.state_dir = Path(state_dir)  # config, runtime, settings, workspaces, log: all throwaway
+        self.state_dir = Path(state_dir)  # config, runtime, settings, workspaces, log: throwaway
         self.token = secrets.token_hex(16)
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -130,18 +130,21 @@ class LabServer:
         self.proc = subprocess.Popen(cmd, cwd=self.root_dir, env=self._env(), stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True,  # own process group: killpg at the end
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                     preexec_fn=_die_with_parent if sys.platform == "linux"
+                                     else None)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise LabStartError(f"JupyterLab exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise LabStartError(f"JupyterLab exited with {self.proc.returncode}:\n"
+                                    f"{self.log_tail()}")
             try:
                 self.api("GET", "api/status", timeout=2)
                 return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.2)
-        raise LabStartError(f"JupyterLab did not answer within {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise LabStartError(f"JupyterLab did not answer within {START_TIMEOUT_S:.0f} s:\n"
+                            f"{self.log_tail()}")
 
     def stop(self) -> list[str]:
         """Stops Lab and everything it started. Returns a line for each process that outlived the

@@ -2,7 +2,7 @@
 chapter 0 and chapter 1 notebooks, and nbgrader's Validate on the student copy of lab 0, before and
 after the answers.
 
-    .venv/bin/pytest tests/browser/test_chapter0.py -v
+    .venv/bin/pytest tests/browser/test_chapters.py -v
 
 Both open copies (see conftest.lab_root): Run All and Validate save the notebook, and must not
 write to the working tree.
@@ -50,6 +50,9 @@ def test_run_all_chapters(nb, lab, browser, shot):
             page.wait_run_all(max(1.0, deadline - time.monotonic()))
             page.wait_kernel_idle(30)   # widgets and late display updates come after the prompt
             widget_problems += check_chapter(page, shot, name, path, needs_plot_and_widget)
+    except BaseException:
+        shot("FAILED-ch1-tab", second.panel)   # the fixture saves the first tab only
+        raise
     finally:
         second.page.close()
     if widget_problems:
@@ -81,7 +84,7 @@ def check_chapter(nb, shot, name: str, path: str, needs_plot_and_widget: bool) -
     for i in plot_cells:
         images = nb.code_cell(i).locator(".jp-OutputArea-output[data-mime-type='image/png'] img")
         assert images.count() >= 1, f"{path}: cell {i} draws a plot but shows no image"
-        assert images.first.evaluate("img => img.naturalWidth > 0"), f"{path}: cell {i}: empty image"
+        assert images.first.evaluate("img => img.naturalWidth > 0"), f"{path}: cell {i}: no pixels"
     if plot_cells:
         shot(f"{name}-plot", nb.code_cell(plot_cells[-1]))
 
@@ -130,8 +133,9 @@ def widget_responds(nb, index: int) -> list[str]:
     time.sleep(0.5)                                   # the last update's outputs paint
     problems = []
     if images() < images_before:
+        text = view.locator(watched).first.inner_text()[:120]
         problems.append(f"cell {index}: after input the widget shows {images()} image(s) where it "
-                        f"showed {images_before}; its text: {view.locator(watched).first.inner_text()[:120]!r}")
+                        f"showed {images_before}; its text: {text!r}")
     views = cell.locator(WIDGET).count()
     if views > 1:
         problems.append(f"cell {index}: the widget is shown {views} times (displayed and also "
