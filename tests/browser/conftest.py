@@ -7,8 +7,10 @@
 Needs /usr/lib/chromium/chromium (`.ci/install-browser` installs it; $LABKIT_CHROMIUM points
 elsewhere) and the `playwright` Python package; without either the tests skip and say why. One Lab
 server and one browser serve the whole session; each test gets a fresh page, and at its end every
-kernel is shut down and any process a kernel left behind is killed (and reported). Screenshots go to
-build/screenshots/<test>-<step>.png, and FAILED-<test>.png when a test fails.
+kernel is asked to shut down. At the end of the session Lab stops, and any process that outlived
+it (a kernel's ranks, say) is killed and listed in the summary; Lab also dies with this process.
+Screenshots go to build/screenshots/<test>-<step>.png (FAILED-<test>.png when a test fails), with
+the time of each scenario in build/screenshots/timings.txt.
 """
 from __future__ import annotations
 
