@@ -33,8 +33,9 @@ def needs(path: str) -> None:
 def test_run_all_chapters(nb, lab, browser, shot):
     """Scenario 1: Run All on chapter 0 and chapter 1, in two tabs at once (most of a chapter's
     time is spent waiting: a hang's timeout, kernel and world starts). Each runs every cell
-    without an error output and shows a world call's lines labelled by rank. Plots render as
-    images and the widget responds: chapter 1 has both, chapter 0 (the lab environment) neither."""
+    without an error output and shows a world call's lines labelled by rank. Every plot renders as
+    an image and every widget responds to input; chapter 1 must have both (chapter 0, the lab
+    environment, has a plot and no widget)."""
     from notebook_page import NotebookPage
     needs(CHAPTER)
     needs(CHAPTER1)
