@@ -33,6 +33,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-dev-shm-usage"]
 _leftovers: list[str] = []         # processes a test left behind (killed), for the summary
 _times: dict[str, dict[str, float]] = {}
+_notes: list[str] = []             # measurements the tests report, for the summary
 
 
 def pytest_configure(config):
@@ -57,6 +58,7 @@ def pytest_terminal_summary(terminalreporter):
     lines = [f"{name:<50} {t['took']:5.1f}" if "took" in t else
              f"{name:<50} {t.get('call', 0):5.1f}   (setup {t.get('setup', 0):.1f}, "
              f"teardown {t.get('teardown', 0):.1f})" for name, t in _times.items()]
+    lines += _notes
     for line in lines:
         tr.write_line(line)
     if SCREENSHOTS.is_dir():
@@ -175,6 +177,12 @@ def shot(request, nb):
         return path
 
     return take
+
+
+@pytest.fixture
+def note(request):
+    """note("text") adds a line (a measured latency, say) to the summary and timings.txt."""
+    return lambda text: _notes.append(f"  {request.node.name}: {text}")
 
 
 @pytest.fixture
