@@ -1,5 +1,6 @@
 """The launcher inside a real Jupyter kernel: cell functions by value, %%ranks, interrupts,
 kernel restarts and 100 create/run/close cycles."""
+import os
 import re
 import time
 
@@ -11,8 +12,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 class Kernel:
-    def __init__(self):
-        self.manager, self.client = start_new_kernel(kernel_name="python3")
+    def __init__(self, output="text"):
+        """output: LABKIT_OUTPUT for the kernel ("text": labelled lines; "auto": the live view
+        in a frontend, which a kernel driven by jupyter_client counts as)."""
+        env = {**os.environ, "LABKIT_OUTPUT": output}
+        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
+        self.displays = {}   # display_id -> latest text/plain
 
     def run(self, code, timeout=60):
         """Execute `code`; return (stdout, stderr, error text or None)."""
@@ -30,6 +35,12 @@ class Kernel:
                 error = content["ename"] + ": " + content["evalue"]
             elif kind in ("execute_result", "display_data"):
                 out.append(content["data"].get("text/plain", "") + "\n")
+                display_id = content.get("transient", {}).get("display_id")
+                if display_id:
+                    self.displays[display_id] = content["data"].get("text/plain", "")
+            elif kind == "update_display_data":
+                display_id = content["transient"]["display_id"]
+                self.displays[display_id] = content["data"].get("text/plain", "")
             elif kind == "status" and content["execution_state"] == "idle":
                 return "".join(out), "".join(err), error
 
@@ -146,3 +157,20 @@ def test_a_hundred_cycles_leave_processes_fds_and_threads_where_they_were(kernel
     assert error is None, error
     before, after = re.search(r"before (\(.*?\)) after (\(.*?\))", out).groups()
     assert before == after, out
+
+
+def test_in_a_frontend_the_output_is_one_live_view_grouped_by_rank():
+    kernel = Kernel(output="auto")
+    try:
+        _, _, error = kernel.run(
+            "import labkit, torch.distributed as dist\n"
+            "world = labkit.world(2)\n"
+            "def talk():\n"
+            "    for i in range(3):\n"
+            "        print('step', i)\n"
+            "world.run(talk)\n")
+        assert error is None, error
+        (final,) = kernel.displays.values()
+        assert final.splitlines() == [f"[rank {r}] step {i}" for r in (0, 1) for i in range(3)]
+    finally:
+        kernel.stop()

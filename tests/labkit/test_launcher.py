@@ -221,3 +221,11 @@ def test_collectives_called_through_distributed_c10d_are_traced_once(world2):
     with world2.tracing() as trace:
         world2.run(rc.c10d_direct)
     assert [r["op"] for r in trace.ops(rank=0)] == ["all_reduce", "all_gather_object"]
+
+
+def test_a_rank_that_already_returned_is_reported_as_finished(world2):
+    with pytest.raises(labkit.CallTimeout) as caught:
+        world2.call(rc.rank0_waits_alone, timeout=2)
+    diagnosis = caught.value.diagnosis
+    assert "rank 1: finished this call (idle)" in diagnosis
+    assert re.search(r"rank 1 never issued all_reduce #\d+", diagnosis)

@@ -29,6 +29,7 @@ class RankOutput:
         self.closed = set()
         self.lines = []          # (stream, text) shown since the last `take_lines`
         self.echo = True
+        self.sink = None         # a live per-rank view (labkit.display), else lines are printed
 
     def open_fds(self):
         return [fd for fd in self.buffers if fd not in self.closed]
@@ -86,7 +87,11 @@ class RankOutput:
         text = raw.decode(errors="replace").rstrip("\r")
         stream = self.kind[fd]
         self.lines.append((stream, text))
-        if self.echo:
+        if not self.echo:
+            return
+        if self.sink is not None:
+            self.sink(self.rank, text, stream)
+        else:
             target = sys.stdout if stream == "out" else sys.stderr
             print(self.label + text, file=target, flush=True)
 

@@ -98,6 +98,8 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
         status, error = "FAILED", "no cell tagged 'parameters' (papermill would inject blindly)"
     else:
         try:
+            # headless: rank output as plain `[rank k] ...` lines (see labkit.display.live_view)
+            os.environ.setdefault("LABKIT_OUTPUT", "text")
             with _stderr_to(log):  # kernel and papermill chatter: kept, off the progress line
                 papermill.execute_notebook(
                     str(root / notebook), str(executed), parameters=parameters,

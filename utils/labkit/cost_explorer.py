@@ -50,11 +50,11 @@ def _plot(P, n_bytes, alpha, beta, ax):
 
 
 def explorer(P=8, n_bytes=1e6, alpha=5e-6, beta=1e-10):
-    """Sliders for P, log10 message size, alpha (us) and bandwidth 1/beta (GB/s); returns the widget."""
+    """Sliders for P, log10 message size, alpha (us) and bandwidth 1/beta (GB/s).
+
+    Returns the widget without displaying it: end a cell with `explorer(...)` to show it once."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import display
-
     p_slider = widgets.IntSlider(value=P, min=2, max=1024, description="P (ranks)")
     size_slider = widgets.FloatSlider(value=math.log10(n_bytes), min=2, max=10,
                                       step=0.1, description="log10 bytes")
@@ -79,5 +79,4 @@ def explorer(P=8, n_bytes=1e6, alpha=5e-6, beta=1e-10):
     box = widgets.VBox([widgets.HBox([p_slider, size_slider]),
                         widgets.HBox([alpha_slider, bandwidth_slider]), out])
     update()
-    display(box)
     return box

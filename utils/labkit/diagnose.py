@@ -71,10 +71,11 @@ def _indent(text, prefix="      "):
     return "".join(prefix + line + "\n" for line in text.rstrip("\n").splitlines())
 
 
-def report(answers, exited=None):
+def report(answers, exited=None, finished=()):
     """The per-rank text, then who never joined the collective that others wait in.
 
-    `answers`: {rank: snapshot or None}; `exited`: {rank: why} for ranks that are gone.
+    `answers`: {rank: snapshot or None}; `exited`: {rank: why} for ranks that are gone;
+    `finished`: ranks that had already returned from this call.
     """
     exited = exited or {}
     lines = []
@@ -90,6 +91,12 @@ def report(answers, exited=None):
             continue
         now = answer["now"]
         current = [r for r in answer["current"] if not r["finished"]]
+        if rank in finished:
+            lines.append(f"rank {rank}: finished this call (idle)")
+            done = [r for r in answer["recent"] if r["finished"]][-3:]
+            if done:
+                lines.append("    last finished: " + "; ".join(describe_op(r) for r in done))
+            continue
         if current:
             record = current[0]
             lines.append(f"rank {rank}: waiting in {describe_op(record)} "

@@ -1,7 +1,5 @@
 """Per-rank output shown side by side in JupyterLab, and as plain labelled lines everywhere else.
 
-PROPOSAL for the launcher (written by the browser-tests owner; not called by the launcher yet).
-
 What a world call's ranks print arrives interleaved: with 4 ranks printing 5 lines each, the cell
 shows 20 `[rank k] ...` lines in arrival order, and a student reads one rank's story by skipping
 three lines out of four. In a notebook frontend this module shows the same lines as one column per
@@ -18,21 +16,29 @@ the test suite) read and what a terminal prints.
     view.add(1, "oops", stream="err")
     view.close()                     # the final render
 
-How the launcher could use it: in `_output.RankOutput._emit`, hand each line to a per-call
-`RankOutputView` instead of printing it when `frontend_present()`, and `close()` the view when the
-call returns or fails; keep today's `print(label + text)` otherwise. A table is used (not CSS grid)
+The launcher asks `live_view()` for a view at the start of every call and hands it each line; where
+that returns None (no frontend, `LABKIT_OUTPUT=text`, nbgrader executing, papermill runs started
+by `labkit build`), lines are printed as `[rank k] text` the moment they arrive. A table is used (not CSS grid)
 because JupyterLab's HTML sanitizer, applied when a saved notebook is reopened untrusted, keeps
 tables but drops most inline styles.
 """
 from __future__ import annotations
 
 import html
+import os
 import sys
 import time
 
 COLUMNS = 4          # ranks side by side before the view wraps to a new row
 MAX_LINES = 200      # per rank in the HTML view; the text/plain version keeps every line
 CSS_CLASS = "labkit-rank-outputs"
+
+
+def live_view():
+    """A `RankOutputView` for one call, or None where the output should stay plain text."""
+    if os.environ.get("LABKIT_OUTPUT", "auto") == "text" or os.environ.get("NBGRADER_EXECUTION"):
+        return None
+    return RankOutputView() if frontend_present() else None
 
 
 def frontend_present() -> bool:

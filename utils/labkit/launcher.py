@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from labkit import diagnose
+from labkit import diagnose, display
 from labkit._output import RankOutput
 from labkit.errors import (CallInterrupted, CallTimeout, PicklingError, RankDied, RankError,
                            WorldError)
@@ -144,6 +144,7 @@ class World:
         self._closed = False
         self._tasks = itertools.count(1)
         self._sent_sources = set()
+        self._finished = {}
         self.last_output = {}     # rank -> [(stream, line)] of the last call
         self._start()
 
@@ -236,7 +237,7 @@ class World:
         if self._broken or not all(r.alive() for r in self._ranks):
             why = self._broken or "a rank process had ended"
             print(f"labkit: restarting the world of {self.size} ranks ({why}); variables "
-                  f"defined in earlier %%ranks cells are gone.", file=sys.stderr)
+                  f"defined in earlier %%ranks cells are gone.")
             self._stop_all(kill=True)
             self._broken = None
             self._start()
@@ -283,10 +284,12 @@ class World:
 
         `ranks` (a list of ranks) restricts the call; results then follow that list's order.
         """
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
         return self.call(fn, args, kwargs, ranks=ranks)
 
     def call(self, fn, args=(), kwargs=None, ranks=None, timeout=None):
         """Like `run`, with explicit `args`/`kwargs` and a per-call `timeout` in seconds."""
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
         if not callable(fn):
             raise TypeError(f"World.run needs a function to run on the ranks, got "
                             f"{type(fn).__name__}")
@@ -298,6 +301,7 @@ class World:
 
         Returns the value of the source's last expression on each rank (None if it has none).
         """
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
         return self._dispatch("exec", source, ranks, timeout, filename=filename)
 
     def _targets(self, ranks):
@@ -324,6 +328,7 @@ class World:
         return sources
 
     def _dispatch(self, kind, payload, ranks, timeout, filename=None):
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
         targets = self._targets(ranks)
         timeout = self.timeout if timeout is None else timeout
         self._restart_if_needed()
@@ -331,9 +336,11 @@ class World:
         sources = self._new_sources()
         if kind == "exec":
             sources["__filename__"] = filename or f"<ranks cell {task_id}>"
+        view = display.live_view()
         for r in self._ranks:
             r.output.take_lines()
             r.output.echo = True
+            r.output.sink = None if view is None else view.add
         for rank in targets:
             try:
                 self._ranks[rank].commands.send((kind, task_id, payload, sources))
@@ -343,15 +350,19 @@ class World:
         try:
             outcome = self._collect(targets, task_id, started + timeout)
         except KeyboardInterrupt:
-            diagnosis = self._diagnose_and_stop(targets, {})
+            diagnosis = self._diagnose_and_stop(targets, {}, self._finished)
             raise CallInterrupted(
                 f"interrupted after {time.monotonic() - started:.1f} s; where each rank was:\n\n"
                 f"{diagnosis}\nThe world restarts on the next call.", diagnosis) from None
         finally:
             self.last_output = {r.rank: r.output.take_lines() for r in self._ranks}
+            for r in self._ranks:
+                r.output.sink = None
+            if view is not None:
+                view.close()
         results, errors, deaths, stuck = outcome
         if stuck is not None and not errors and not deaths:
-            diagnosis = self._diagnose_and_stop(targets, {})
+            diagnosis = self._diagnose_and_stop(targets, {}, set(results))
             raise CallTimeout(f"the call on ranks {targets} did not finish within {timeout:g} s "
                               f"(a hang?). Where each rank was:\n\n{diagnosis}\n"
                               f"The world restarts on the next call.", diagnosis)
@@ -362,6 +373,7 @@ class World:
     def _collect(self, targets, task_id, deadline):
         """Wait for every target's reply and output marker; stop early on failure + grace."""
         results, errors, deaths = {}, {}, {}
+        self._finished = results     # read by the interrupt handler in _dispatch
         grace_deadline = None
         handles = self._handles(targets)
         while True:
@@ -390,22 +402,25 @@ class World:
             if (errors or deaths) and grace_deadline is None:
                 grace_deadline = time.monotonic() + GRACE_SECONDS
 
-    def _diagnose_and_stop(self, targets, exited):
+    def _diagnose_and_stop(self, targets, exited, finished=()):
         answers = diagnose.collect({r.rank: r.diagnostics for r in self._ranks
                                     if r.rank in targets and r.alive() and r.rank not in exited})
-        text = diagnose.report(answers, exited)
+        text = diagnose.report(answers, exited, finished)
         self._broken = "the last call did not finish"
         self._stop_all(kill=True)
         return text
 
     def _raise_failure(self, targets, errors, deaths, stuck):
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
         parts = []
         if stuck:
             exited = {r: (f"raised {errors[r]['type']}" if r in errors else
                           f"died (exit code {deaths[r]})") for r in list(errors) + list(deaths)}
+            finished = set(targets) - set(stuck) - set(exited)
             parts.append(f"Ranks {stuck} were still running {GRACE_SECONDS:g} s after that and "
                          f"were stopped. Where they were:\n\n"
-                         + self._diagnose_and_stop(stuck, exited)
+                         + self._diagnose_and_stop(list(stuck) + sorted(finished), exited,
+                                                   finished)
                          + "\nThe world restarts on the next call.")
         elif deaths:
             self._broken = "a rank died"

@@ -26,6 +26,7 @@ def _parser():
 
 
 def ranks_magic(line, cell, ipython=None):
+    __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
     from labkit.errors import WorldError
     from labkit.launcher import current
     try:
@@ -54,6 +55,7 @@ def ranks_magic(line, cell, ipython=None):
 
 def register(ipython):
     def magic(line, cell):
+        __tracebackhide__ = True
         return ranks_magic(line, cell, ipython)
     magic.__doc__ = __doc__
     ipython.register_magic_function(magic, magic_kind="cell", magic_name="ranks")
