@@ -102,8 +102,14 @@ def main():
     teaching_off = statistics.median(max(world.run(all_reduce_loop, 200)) for _ in range(3))
     labkit.shutdown_all()
 
+    small = labkit.world(2)
+    small.run(noop)
+    labkit_call_2 = median_call_seconds(lambda: small.run(noop), options.calls)
+    labkit.shutdown_all()
+
     spawn = statistics.median(spawn_per_call(n) for _ in range(3))
     ipp = None if options.skip_ipyparallel else ipyparallel_noop(n, options.calls)
+    ipp_2 = None if options.skip_ipyparallel else ipyparallel_noop(2, options.calls)
 
     print(f"one-time warm-up (forkserver imports torch) + first world: {warm_up:7.3f} s")
     print(f"cold world of {n} ready (median of 5, after warm-up):     {cold:7.3f} s")
@@ -112,6 +118,10 @@ def main():
     if ipp is not None:
         print(f"no-op call, ipyparallel apply_sync on {n} engines:          {ipp * 1e3:7.3f} ms"
               f"   -> labkit is {ipp / labkit_call:6.1f}x cheaper")
+    print(f"no-op call, warm labkit world of 2:                      {labkit_call_2 * 1e3:7.3f} ms")
+    if ipp_2 is not None:
+        print(f"no-op call, ipyparallel apply_sync on 2 engines:          {ipp_2 * 1e3:7.3f} ms"
+              f"   -> labkit is {ipp_2 / labkit_call_2:6.1f}x cheaper")
     print(f"no-op call, torch.multiprocessing.spawn per call:        {spawn * 1e3:7.1f} ms"
           f"   -> labkit is {spawn / labkit_call:6.0f}x cheaper")
     print(f"all_reduce of 1024 floats, teaching mode on:             {teaching_on * 1e3:7.3f} ms")

@@ -229,3 +229,13 @@ def test_a_rank_that_already_returned_is_reported_as_finished(world2):
     diagnosis = caught.value.diagnosis
     assert "rank 1: finished this call (idle)" in diagnosis
     assert re.search(r"rank 1 never issued all_reduce #\d+", diagnosis)
+
+
+def test_a_rank_killed_between_calls_is_reported_at_the_next_call(world2):
+    pid = world2.run(rc.pids)[1]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    with pytest.raises(labkit.RankDied) as caught:
+        world2.run(rc.summed, 0)
+    assert caught.value.rank == 1
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]

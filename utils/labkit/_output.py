@@ -38,6 +38,15 @@ class RankOutput:
         """Both streams have passed the end of task `task_id` (or are closed)."""
         return all(fd in self.closed or str(task_id) in self.markers[fd] for fd in self.buffers)
 
+    def mark_complete(self, task_id):
+        """The rank found its pipes empty at the end of task `task_id`: all its output has been
+        read; show a last line left without a newline."""
+        for fd, buffer in self.buffers.items():
+            self.markers[fd].add(str(task_id))
+            if buffer and fd not in self.closed:
+                self._emit(fd, bytes(buffer))
+                buffer.clear()
+
     def drain(self):
         """Read both pipes until empty. A rank writes its end-of-task markers before it replies,
         so once its reply has arrived the markers are already in the pipes."""

@@ -12,13 +12,16 @@ This module is preloaded by the forkserver, so a new rank starts from a process 
 imported torch.
 """
 
+import array
 import ast
 import ctypes
+import fcntl
 import linecache
 import os
 import pickle
 import signal
 import sys
+import termios
 import threading
 import traceback
 from datetime import timedelta
@@ -87,6 +90,29 @@ try:
     _LIBC_FFLUSH = ctypes.CDLL(None).fflush
 except (OSError, AttributeError):
     _LIBC_FFLUSH = None
+
+
+def _pending_bytes(fd):
+    """Bytes written to pipe `fd` that the kernel has not read yet (FIONREAD works on either end)."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return 1   # cannot tell: behave as if output were pending
+    return count[0]
+
+
+def _end_task_output(task_id):
+    """Flush; return True if the kernel has already read everything (then no marker is needed),
+    else write the end-of-task marker to both pipes and return False."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _LIBC_FFLUSH is not None:
+        _LIBC_FFLUSH(None)
+    if _pending_bytes(1) == 0 and _pending_bytes(2) == 0:
+        return True
+    _flush_all(MARKER.format(task_id))
+    return False
 
 
 def _flush_all(marker):
@@ -240,14 +266,14 @@ def _run_task(commands, message):
             raise TypeError(f"the value returned by rank {STATE.rank} cannot be sent back to "
                             f"the kernel ({type(result).__name__}): {error}. Return plain data: "
                             f"tensors, numbers, lists, dicts.") from None
-        reply = ("ok", task_id, data)
+        reply = ["ok", task_id, data]
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
-        reply = ("err", task_id, {"type": type(error).__name__, "message": str(error),
+        reply = ["err", task_id, {"type": type(error).__name__, "message": str(error),
                                   "traceback": format_exception(error),
-                                  "in_communication": _hooks.STATE.failed_op is not None})
+                                  "in_communication": _hooks.STATE.failed_op is not None}]
         _hooks.STATE.failed_op = None
-    _flush_all(MARKER.format(task_id))
-    commands.send(reply)
+    reply.append(_end_task_output(task_id))   # True: the output is already drained
+    commands.send(tuple(reply))
 
 
 def device():

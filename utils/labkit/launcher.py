@@ -15,18 +15,19 @@ Design (the measurements behind it are in shared/notes/launching-ranks.md):
 
 import atexit
 import collections
+import contextlib
 import io
 import itertools
 import linecache
 import multiprocessing
 import os
 import pickle
+import selectors
 import shutil
 import subprocess
 import sys
 import time
 import types
-from multiprocessing.connection import wait
 
 import cloudpickle
 
@@ -100,6 +101,37 @@ def _resolve_backend(size, backend):
             f"backend='nccl' needs one GPU per rank: world size ({size}) > GPUs visible ({gpus}). "
             f"Use backend='gloo' to run on CPU, or backend='auto' to pick NCCL only where it fits.")
     return "nccl" if gpus >= size else "gloo"
+
+
+class _Handles:
+    """Connections and file descriptors to wait on, registered once per call (a fresh selector
+    per wait, as multiprocessing.connection.wait builds, costs more than a no-op call)."""
+
+    def __init__(self):
+        self.selector = selectors.PollSelector()   # no syscall per registration, unlike epoll
+        self.tags = {}
+
+    def add(self, handle, tag):
+        self.selector.register(handle, selectors.EVENT_READ, tag)
+        self.tags[handle] = tag
+
+    def remove(self, handle):
+        if self.tags.pop(handle, None) is not None:
+            self.selector.unregister(handle)
+
+    def wait(self, timeout):
+        """[(handle, tag)] ready to read within `timeout` seconds."""
+        if not self.tags:
+            time.sleep(timeout)
+            return []
+        try:
+            events = self.selector.select(timeout)
+        except InterruptedError:
+            return []
+        return [(key.fileobj, key.data) for key, _ in events]
+
+    def close(self):
+        self.selector.close()
 
 
 class _Rank:
@@ -234,8 +266,8 @@ class World:
     def _restart_if_needed(self):
         if self._closed:
             raise WorldError("this world is closed; create a new one with labkit.world(n)")
-        if self._broken or not all(r.alive() for r in self._ranks):
-            why = self._broken or "a rank process had ended"
+        if self._broken:   # (a rank that died since the last call is caught by its sentinel)
+            why = self._broken
             print(f"labkit: restarting the world of {self.size} ranks ({why}); variables "
                   f"defined in earlier %%ranks cells are gone.")
             self._stop_all(kill=True)
@@ -245,37 +277,37 @@ class World:
     # -- the wait loop ------------------------------------------------------------------------
     def _handles(self, ranks):
         """What to wait on for `ranks`: replies, process ends, and every rank's output."""
-        handles = {}
+        handles = _Handles()
         for rank in ranks:
             r = self._ranks[rank]
-            handles[r.commands] = ("msg", r)
-            handles[r.process.sentinel] = ("died", r)
+            handles.add(r.commands, ("msg", r))
+            handles.add(r.process.sentinel, ("died", r))
         for r in self._ranks:  # keep draining the output of every rank
             for fd in r.output.open_fds():
-                handles[fd] = ("out", r)
+                handles.add(fd, ("out", r))
         return handles
 
     def _pump(self, ranks, timeout, quiet=False, handles=None):
         """Wait up to `timeout` s; read output; return [(rank, message or None if it died)]."""
         if handles is None:
-            handles = self._handles(ranks)
+            with contextlib.closing(self._handles(ranks)) as own:
+                return self._pump(ranks, timeout, quiet, own)
         messages = []
-        for handle in wait(list(handles), timeout=timeout):
-            kind, r = handles[handle]
+        for handle, (kind, r) in handles.wait(timeout):
             if kind == "out":
                 r.output.echo = not quiet
                 r.output.read(handle)
                 if handle in r.output.closed:
-                    del handles[handle]
+                    handles.remove(handle)
             elif kind == "msg":
                 try:
                     messages.append((r.rank, r.commands.recv()))
                 except (EOFError, OSError):
                     messages.append((r.rank, None))
-                    del handles[handle]
+                    handles.remove(handle)
             elif not r.commands.poll():
                 messages.append((r.rank, None))
-                del handles[handle]
+                handles.remove(handle)
         return messages
 
     # -- running code ---------------------------------------------------------------------
@@ -375,7 +407,12 @@ class World:
         results, errors, deaths = {}, {}, {}
         self._finished = results     # read by the interrupt handler in _dispatch
         grace_deadline = None
-        handles = self._handles(targets)
+        with contextlib.closing(self._handles(targets)) as handles:
+            return self._collect_loop(targets, task_id, deadline, handles, results, errors,
+                                      deaths, grace_deadline)
+
+    def _collect_loop(self, targets, task_id, deadline, handles, results, errors, deaths,
+                      grace_deadline):
         while True:
             pending = [r for r in targets if r not in results and r not in errors
                        and r not in deaths]
@@ -389,8 +426,12 @@ class World:
                 return results, errors, deaths, pending or undrained
             for rank, message in self._pump(pending or undrained, 0.1, handles=handles):
                 if message is not None:
-                    handles.pop(self._ranks[rank].commands, None)   # one reply per call
-                    self._ranks[rank].output.drain()
+                    handles.remove(self._ranks[rank].commands)   # one reply per call
+                    handles.remove(self._ranks[rank].process.sentinel)
+                    if message[-1] is True:
+                        self._ranks[rank].output.mark_complete(task_id)
+                    else:
+                        self._ranks[rank].output.drain()
                 if message is None:
                     if rank not in results and rank not in errors:
                         self._ranks[rank].process.join(timeout=1)
