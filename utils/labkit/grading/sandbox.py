@@ -358,6 +358,14 @@ def _write(path, value, missing_ok=False):
             raise
 
 
+def _sigkill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _empty_and_remove(path):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -366,11 +374,7 @@ def _empty_and_remove(path):
                 pids = [int(p) for p in f.read().split()]
         except FileNotFoundError:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _sigkill(pids)
         try:
             os.rmdir(path)
             return
@@ -397,9 +401,5 @@ def _wait_user_gone(uid, timeout=10.0):
         pids = user_processes(uid)
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _sigkill(pids)
         time.sleep(0.05)
