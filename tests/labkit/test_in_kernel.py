@@ -15,7 +15,8 @@ class Kernel:
     def __init__(self, output="text"):
         """output: LABKIT_OUTPUT for the kernel ("text": labelled lines; "auto": the live view
         in a frontend, which a kernel driven by jupyter_client counts as)."""
-        env = {**os.environ, "LABKIT_OUTPUT": output}
+        env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}  # grading
+        env["LABKIT_OUTPUT"] = output   # tests earlier in the session may leave it behind
         self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
         self.displays = {}   # display_id -> latest text/plain
 

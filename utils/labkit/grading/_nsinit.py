@@ -70,6 +70,12 @@ def build_root(spec):
             os.symlink(os.readlink(path), root + path)
         elif os.path.isdir(path):
             _bind(path, root + path, read_only=True)
+    # private /tmp and /var/tmp first: the read-only binds below may live under /tmp (a course
+    # cloned into /tmp) and must land inside these mounts, not be hidden by them
+    for tmp in ["/tmp", "/var/tmp"]:
+        os.makedirs(root + tmp, exist_ok=True)
+        _mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=1777,size={spec['tmp_bytes']}")
     for path in spec["read_only"]:      # the Python install, the labkit package
         if os.path.exists(path) and not os.path.exists(root + path):
             _bind(path, root + path, read_only=True)
@@ -88,10 +94,6 @@ def build_root(spec):
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if os.path.isdir("/sys"):
         _bind("/sys", root + "/sys", read_only=True)
-    for tmp in ["/tmp", "/var/tmp"]:
-        os.makedirs(root + tmp)
-        _mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV,
-               f"mode=1777,size={spec['tmp_bytes']}")
     _bind(spec["workdir"], root + spec["workdir"], read_only=False)
 
 
