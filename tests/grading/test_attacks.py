@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from conftest import (HIDDEN_SENTINELS, LAB, MAX_SCORE, insert_cell, make_submission,
+from grading_helpers import (HIDDEN_SENTINELS, LAB, MAX_SCORE, insert_cell, make_submission,
                       needs_root_sandbox, read_outputs)
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(600)]

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import LAB, make_submission, needs_root_sandbox
+from grading_helpers import LAB, make_submission, needs_root_sandbox
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(400)]
 
