@@ -28,7 +28,7 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from conftest import FIXTURES, LAB, make_submission
+    from grading_helpers import FIXTURES, LAB, make_submission
     from labkit.grading import grade
     root = tempfile.mkdtemp(prefix="bench-grading-")
     course = os.path.join(root, "course")
