@@ -197,3 +197,14 @@ def test_hidden_tests_reject_three_bad_rings(tmp_path):
         score, max_score = scores[name]
         # at least these points (task 3 times a collective, and a loaded machine can cost it too)
         assert score <= max_score - lost, f"{name}: scored {score} of {max_score}, expected to lose {lost}"
+
+
+def test_a_flat_or_falling_sweep_still_fits_a_positive_beta():
+    """Noisy small messages can make times fall with size; the fit must not return beta = 0
+    (a free link), which later divides by zero."""
+    n_bytes = [256, 4096, 65536, 1 << 20]
+    seconds = [3e-3, 2.6e-3, 2.3e-3, 2.1e-3]        # latency-bound noise: falling with size
+    alpha, beta = collectives.fit_alpha_beta(n_bytes, seconds, 4)
+    assert beta > 0 and alpha >= 0
+    largest = collectives.ring_all_reduce_time(n_bytes[-1], 4, alpha, beta)
+    assert largest == pytest.approx(seconds[-1], rel=0.5)

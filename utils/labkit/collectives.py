@@ -124,7 +124,8 @@ def fit_alpha_beta(n_bytes, seconds, world_size, formula=ring_all_reduce_time):
 
     Every formula here is linear in alpha and beta, t = a * alpha + b(n) * beta, so the fit is an
     ordinary least-squares problem in two unknowns; the rows are weighted by 1/t so that small
-    and large messages count alike (a relative-error fit). Returns (alpha, beta), both >= 0.
+    and large messages count alike (a relative-error fit). Returns (alpha, beta): alpha >= 0,
+    beta > 0.
     """
     import numpy as np
     if len(n_bytes) != len(seconds) or len(n_bytes) < 2:
@@ -135,10 +136,16 @@ def fit_alpha_beta(n_bytes, seconds, world_size, formula=ring_all_reduce_time):
         raise ValueError(f"the formula takes no time on {world_size} rank(s): nothing to fit")
     weights = 1.0 / t
     (alpha, beta), *_ = np.linalg.lstsq(A * weights[:, None], t * weights, rcond=None)
-    if alpha < 0 or beta < 0:   # noise can push one below zero: refit the other alone
-        column = 1 if alpha < 0 else 0
-        value = float(np.sum(A[:, column] * t * weights ** 2) / np.sum((A[:, column] * weights) ** 2))
-        alpha, beta = (0.0, value) if column == 1 else (value, 0.0)
+    if beta <= 0:
+        # Noise in the small messages can tilt the line flat or downhill: the sweep does not
+        # resolve the bandwidth. Fit latency alone, then give beta what the largest message's
+        # time leaves after latency (at least a tenth of that time): a link is never free.
+        alpha = float(np.sum(A[:, 0] * t * weights ** 2) / np.sum((A[:, 0] * weights) ** 2))
+        largest = int(np.argmax(A[:, 1]))
+        beta = max(t[largest] - A[largest, 0] * alpha, 0.1 * t[largest]) / A[largest, 1]
+    elif alpha < 0:             # the other way round: no latency term, refit beta alone
+        alpha = 0.0
+        beta = float(np.sum(A[:, 1] * t * weights ** 2) / np.sum((A[:, 1] * weights) ** 2))
     return float(alpha), float(beta)
 
 
