@@ -15,7 +15,6 @@ Design (the measurements behind it are in shared/notes/launching-ranks.md):
 
 import atexit
 import collections
-import contextlib
 import io
 import itertools
 import linecache
@@ -28,6 +27,7 @@ import subprocess
 import sys
 import time
 import types
+from multiprocessing.reduction import ForkingPickler
 
 import cloudpickle
 
@@ -172,6 +172,7 @@ class World:
         self.backend = _resolve_backend(size, backend)
         self.settings = (size, backend, timeout, teaching)
         self._ranks = []
+        self._waiter = None       # what the kernel waits on: every rank's replies, end, output
         self._broken = None       # why the world must be restarted before the next call
         self._closed = False
         self._tasks = itertools.count(1)
@@ -215,6 +216,7 @@ class World:
             output = RankOutput(rank, width, out_reader, err_reader)
             self._ranks.append(_Rank(rank, process, commands, diagnostics, output))
         self._sent_sources = set()
+        self._waiter = self._handles()
         self._await_ready()
 
     def _await_ready(self):
@@ -225,7 +227,7 @@ class World:
                 failures.update({r: "did not start in time" for r in range(self.size)
                                  if r not in ready and r not in failures})
                 break
-            for rank, message in self._pump(list(range(self.size)), 0.1):
+            for rank, message in self._pump(0.1):
                 if message is None:
                     failures[rank] = f"exited with code {self._ranks[rank].process.exitcode}"
                 elif message[0] == "ready":
@@ -240,6 +242,9 @@ class World:
                              f"{detail}")
 
     def _stop_all(self, kill):
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
         for rank in self._ranks:
             rank.close(kill=kill)
         self._ranks = []
@@ -258,7 +263,7 @@ class World:
                     pass
         deadline = time.monotonic() + 3.0
         while any(r.alive() for r in self._ranks) and time.monotonic() < deadline:
-            self._pump([r.rank for r in self._ranks if r.alive()], 0.05, quiet=True)
+            self._pump(0.05, quiet=True)
         self._stop_all(kill=True)
         if _CURRENT is self:
             _CURRENT = None
@@ -275,23 +280,19 @@ class World:
             self._start()
 
     # -- the wait loop ------------------------------------------------------------------------
-    def _handles(self, ranks):
-        """What to wait on for `ranks`: replies, process ends, and every rank's output."""
+    def _handles(self):
+        """What to wait on: every rank's replies, process end and output, registered once."""
         handles = _Handles()
-        for rank in ranks:
-            r = self._ranks[rank]
+        for r in self._ranks:
             handles.add(r.commands, ("msg", r))
             handles.add(r.process.sentinel, ("died", r))
-        for r in self._ranks:  # keep draining the output of every rank
             for fd in r.output.open_fds():
                 handles.add(fd, ("out", r))
         return handles
 
-    def _pump(self, ranks, timeout, quiet=False, handles=None):
+    def _pump(self, timeout, quiet=False):
         """Wait up to `timeout` s; read output; return [(rank, message or None if it died)]."""
-        if handles is None:
-            with contextlib.closing(self._handles(ranks)) as own:
-                return self._pump(ranks, timeout, quiet, own)
+        handles = self._waiter
         messages = []
         for handle, (kind, r) in handles.wait(timeout):
             if kind == "out":
@@ -373,9 +374,10 @@ class World:
             r.output.take_lines()
             r.output.echo = True
             r.output.sink = None if view is None else view.add
+        message = ForkingPickler.dumps((kind, task_id, payload, sources))   # pickled once
         for rank in targets:
             try:
-                self._ranks[rank].commands.send((kind, task_id, payload, sources))
+                self._ranks[rank].commands.send_bytes(message)
             except OSError:
                 pass  # the rank is gone: its sentinel reports it below
         started = time.monotonic()
@@ -407,12 +409,6 @@ class World:
         results, errors, deaths = {}, {}, {}
         self._finished = results     # read by the interrupt handler in _dispatch
         grace_deadline = None
-        with contextlib.closing(self._handles(targets)) as handles:
-            return self._collect_loop(targets, task_id, deadline, handles, results, errors,
-                                      deaths, grace_deadline)
-
-    def _collect_loop(self, targets, task_id, deadline, handles, results, errors, deaths,
-                      grace_deadline):
         while True:
             pending = [r for r in targets if r not in results and r not in errors
                        and r not in deaths]
@@ -424,22 +420,21 @@ class World:
                 return results, errors, deaths, pending
             if now > deadline:
                 return results, errors, deaths, pending or undrained
-            for rank, message in self._pump(pending or undrained, 0.1, handles=handles):
-                if message is not None:
-                    handles.remove(self._ranks[rank].commands)   # one reply per call
-                    handles.remove(self._ranks[rank].process.sentinel)
-                    if message[-1] is True:
-                        self._ranks[rank].output.mark_complete(task_id)
-                    else:
-                        self._ranks[rank].output.drain()
+            for rank, message in self._pump(0.1):
                 if message is None:
                     if rank not in results and rank not in errors:
                         self._ranks[rank].process.join(timeout=1)
                         deaths[rank] = self._ranks[rank].process.exitcode
-                elif message[0] == "ok" and message[1] == task_id:
-                    results[rank] = message[2]
-                elif message[0] == "err" and message[1] == task_id:
-                    errors[rank] = message[2]
+                    continue
+                kind, replied_task = message[0], message[1]
+                if rank not in targets or kind not in ("ok", "err") or replied_task != task_id:
+                    continue   # not an answer to this call
+                (results if kind == "ok" else errors)[rank] = message[2]
+                output = self._ranks[rank].output
+                if message[3]:           # the rank found its pipes already read
+                    output.mark_complete(task_id)
+                else:
+                    output.drain()       # its end markers are in the pipes: read them now
             if (errors or deaths) and grace_deadline is None:
                 grace_deadline = time.monotonic() + GRACE_SECONDS
 
@@ -498,7 +493,9 @@ class World:
         r.commands.send(message)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            for got_rank, reply in self._pump([rank], 0.1):
+            for got_rank, reply in self._pump(0.1):
+                if got_rank != rank:
+                    continue
                 if reply is None:
                     raise RankDied(f"rank {rank} died while answering {message[0]!r}", rank,
                                    r.process.exitcode)
