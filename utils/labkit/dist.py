@@ -6,7 +6,8 @@ Copies: course/, labs/ (the released, hidden-test-free notebooks), the labkit pa
 labkit.grading, which is instructor tooling), pyproject.toml, environment.yml, and writes a
 student README. Never copies solutions/, tests/, a gradebook, grading output, git metadata or
 any virtual environment. It then checks the result: no `solutions` path, no `*.db`, no notebook
-cell containing BEGIN SOLUTION or BEGIN HIDDEN TESTS; any of these fails the build.
+cell containing a solution or hidden-test marker (`labkit.release.MARKERS`); any of these fails
+the build.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import json
 import os
 import shutil
 
+from labkit.release import HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN
+
 COPIED = ["course", "labs", "pyproject.toml", "environment.yml"]
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.db", "*.egg-info",
                               "grading", ".git")
-FORBIDDEN_TEXT = ["BEGIN SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"]
+FORBIDDEN_TEXT = [SOLUTION_BEGIN, HIDDEN_BEGIN, HIDDEN_END]
 
 README = """# Distributed LLM training: student copy
 

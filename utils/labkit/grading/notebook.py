@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 
-BEGIN_HIDDEN, END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
+from labkit.release import HIDDEN_BEGIN as BEGIN_HIDDEN, HIDDEN_END as END_HIDDEN
 
 
 def role(cell) -> str:
