@@ -56,10 +56,7 @@ def test_run_all_chapters(nb, lab, browser, shot):
         raise
     finally:
         second.page.close()
-    if widget_problems:
-        # Everything else passed. These are reported as an expected failure, with the details in
-        # the summary, until the chapter's owner fixes them (a student sees them; see the report).
-        pytest.xfail("widget problems after input: " + "; ".join(widget_problems))
+    assert not widget_problems, "widget problems after input: " + "; ".join(widget_problems)
 
 
 def check_chapter(nb, shot, name: str, path: str, needs_plot_and_widget: bool) -> list[str]:

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import labkit
 from labkit.launcher import max_world_size

@@ -61,7 +61,6 @@ def _validate(length, dtype, op):
 
 def check_all_reduce(world, fn, length, dtype="float32", op="sum", timeout=20):
     """Run fn(tensor, op) on every rank; every rank's tensor must equal the true reduction."""
-    import torch
     _validate(length, dtype, op)
     results = world.call(_call_on_rank, args=(cloudpickle.dumps(fn), length, dtype, op),
                          timeout=timeout)

@@ -188,9 +188,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.build", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from labkit.cli import run_module
+    return run_module(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"labkit {name}", description=SUBCOMMANDS[name][1])
-    module.add_arguments(sub_parser)
-    return int(module.run(sub_parser.parse_args(rest)) or 0)
+    return run_module(module, rest, prog=f"labkit {name}", description=SUBCOMMANDS[name][1])
+
+
+def run_module(module, argv=None, prog=None, description=None) -> int:
+    """Parse `argv` with the module's `add_arguments` and call its `run`: what both `labkit NAME`
+    and `python -m labkit.NAME` do."""
+    parser = argparse.ArgumentParser(
+        prog=prog or f"python -m {getattr(module.__spec__, 'name', None) or module.__name__}",
+        description=description or (module.__doc__ or "").split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else argv)) or 0)
 
 
 if __name__ == "__main__":

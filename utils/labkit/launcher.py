@@ -24,7 +24,6 @@ import pickle
 import selectors
 import shutil
 import subprocess
-import sys
 import time
 import types
 from multiprocessing.reduction import ForkingPickler

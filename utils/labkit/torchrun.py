@@ -32,10 +32,9 @@ def add_arguments(parser):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="labkit torchrun", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    from labkit.cli import run_module
+    return run_module(sys.modules[__name__], argv, prog="labkit torchrun",
+                      description=__doc__)
 
 
 def run(options):

@@ -21,7 +21,6 @@ import builtins
 import contextlib
 import io
 import re
-import sys
 import traceback
 import types
 
