@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 course: $(STAMP)
-	$(BIN)/python -m labkit.build --world $(WORLD) --backend $(BACKEND) --scale $(SCALE) $(if $(ONLY),--only $(ONLY))
+	$(BIN)/labkit build --world $(WORLD) --backend $(BACKEND) --scale $(SCALE) $(if $(ONLY),--only $(ONLY))
 
 test: $(STAMP)
 	@if [ -x .ci/install-browser ]; then .ci/install-browser; fi
@@ -49,7 +49,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 release: $(STAMP)
-	$(BIN)/python -m labkit.release
+	$(BIN)/labkit release
 
 clean:
 	rm -rf build grading .pytest_cache .hypothesis

@@ -1,7 +1,7 @@
 """nbgrader configuration for the course (read by nbgrader from the repository root).
 
 The labs' nbgrader source lives in solutions/<lab>/ and the student copies are generated into
-labs/<lab>/ by `make release` (python -m labkit.release). Everything grading writes (gradebook,
+labs/<lab>/ by `make release` (labkit release). Everything grading writes (gradebook,
 submissions, autograded copies, feedback) goes under grading/, which git ignores.
 """
 import os

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import release
+from labkit.tools import release
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = release.lab_sources(ROOT)

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import build
+from labkit.tools import build
 
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = build.find_notebooks(ROOT, "course/")
@@ -61,7 +61,7 @@ def test_a_failing_notebook_fails_the_build_and_says_where(tmp_path, capsys):
 
 
 def test_cli_lists_subcommands_and_rejects_unknown_ones(capsys):
-    from labkit import cli
+    from labkit.tools import cli
     assert cli.main([]) == 2
     assert "release" in capsys.readouterr().out
     assert cli.main(["no-such-command"]) == 2

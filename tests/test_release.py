@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import release
+from labkit.tools import release
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIRS = ("course", "solutions", "labs")

@@ -6,14 +6,14 @@ for headless readers.
 """
 import pytest
 
-from labkit.display import rank_outputs_bundle, rank_outputs_text
+from labkit.runtime.display import rank_outputs_bundle, rank_outputs_text
 
-SIX_RANKS = ("from labkit.display import show_rank_outputs\n"
+SIX_RANKS = ("from labkit.runtime.display import show_rank_outputs\n"
              "show_rank_outputs({r: [f'step {i} on rank {r}' for i in range(3)]\n"
              "                      + ([('err', 'a warning on rank 1')] if r == 1 else [])\n"
              "                   for r in range(6)})")
 LIVE = ("import time\n"
-        "from labkit.display import RankOutputView\n"
+        "from labkit.runtime.display import RankOutputView\n"
         "view = RankOutputView(min_interval=0.1)\n"
         "for i in range(3):\n"
         "    for r in range(2):\n"

@@ -1,4 +1,4 @@
-"""Chapter 1: labkit.collectives (cost model, fit), labkit.all_reduce_checks on real ranks, and
+"""Chapter 1: labkit.collectives (cost model, fit), labkit.collectives.checks on real ranks, and
 the lab's hidden tests rejecting three bad rings when autograded."""
 import importlib.util
 import math
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labkit
-from labkit import all_reduce_checks as checks
+from labkit.collectives import checks
 from labkit import collectives
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_bad_inputs_raise_with_the_values():
 
 
 def test_explorer_compare_prefers_recursive_doubling_for_tiny_messages():
-    from labkit.cost_explorer import compare
+    from labkit.collectives.explorer import compare
     rows = compare(64, 1e2, 5e-6, 1e-10)
     assert rows["recursive doubling"]["seconds"] < rows["ring"]["seconds"]
     rows = compare(64, 1e9, 5e-6, 1e-10)

@@ -1,4 +1,4 @@
-"""Chapter 2 / lab 2: the data-parallel test bench (labkit.dp, labkit.placement) and the lab's
+"""Chapter 2 / lab 2: the data-parallel test bench (labkit.dp, labkit.dp.placement) and the lab's
 hidden tests, which must reject the classic wrong answers."""
 import importlib.util
 import math
@@ -10,7 +10,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import labkit
-from labkit import dp, placement
+from labkit import dp
+from labkit.dp import placement
 
 ROOT = Path(__file__).resolve().parents[2]
 FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,

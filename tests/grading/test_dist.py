@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from labkit.dist import build
+from labkit.tools.dist import build
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import labkit
-from labkit.launcher import max_world_size
+from labkit.runtime.launcher import max_world_size
 
 import ranks_code as rc
 
@@ -190,7 +190,7 @@ def test_the_same_rank_function_runs_under_torchrun(tmp_path):
     import subprocess
     import sys
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-m", "labkit.cli", "torchrun", "--nproc-per-node",
+    done = subprocess.run([sys.executable, "-m", "labkit.tools.cli", "torchrun", "--nproc-per-node",
                            "2", "--backend", "gloo", "ranks_code:summed", "10"],
                           capture_output=True, text=True, timeout=100, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": tests_dir})

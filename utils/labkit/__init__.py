@@ -15,18 +15,26 @@ __all__ = ["world", "World", "current", "shutdown_all", "device", "LabkitError",
            "load_ipython_extension"]
 
 
+# One module per chapter topic, in course order (see README.md beside this file).
+TOPICS = ("collectives", "dp", "memory", "tensor_parallel", "pipeline", "mesh", "moe", "checkpoint",
+          "faults", "drill")
+
+
 def __getattr__(name):
     # The launcher imports torch: load it on first use, so `labkit --help` stays quick.
     if name in ("world", "World", "current", "shutdown_all", "max_world_size", "gpu_count"):
-        from labkit import launcher as _launcher
+        from labkit.runtime import launcher as _launcher
         return getattr(_launcher, name)
+    if name in TOPICS or name in ("checks", "formulas", "errors", "runtime", "tools", "grading"):
+        import importlib
+        return importlib.import_module(f"labkit.{name}")
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
 def device():
     """Inside a rank: this rank's device (`cuda:<rank>` under NCCL, else `cpu`)."""
     import sys
-    worker = sys.modules.get("labkit._worker")
+    worker = sys.modules.get("labkit.runtime.worker")
     if worker is None or worker.STATE.rank is None:
         import torch
         return torch.device("cpu")
@@ -35,5 +43,5 @@ def device():
 
 def load_ipython_extension(ipython):
     """`%load_ext labkit` registers the `%%ranks` cell magic."""
-    from labkit.magic import register
+    from labkit.runtime.magic import register
     register(ipython)

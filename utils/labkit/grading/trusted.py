@@ -114,7 +114,7 @@ class GradingTrace:
     """What `world.tracing()` returns during grading: the records of the calls made inside."""
 
     def __new__(cls, *args, **kwargs):
-        from labkit.trace import Trace
+        from labkit.runtime.trace import Trace
 
         class _Trace(Trace):
             def __init__(self, world):
@@ -171,7 +171,7 @@ class GradingWorld:
         return value["results"]
 
     def _trusted(self, method, fn, args, kwargs, options):
-        from labkit import launcher
+        from labkit.runtime import launcher
         world = launcher.world(self.size, **self._kwargs)
         with contextlib.ExitStack() as stack:
             inner = [stack.enter_context(world.tracing()) for _ in self._traces[:1]]

@@ -6,7 +6,7 @@ Copies: course/, labs/ (the released, hidden-test-free notebooks), the labkit pa
 labkit.grading, which is instructor tooling), pyproject.toml, environment.yml, and writes a
 student README. Never copies solutions/, tests/, a gradebook, grading output, git metadata or
 any virtual environment. It then checks the result: no `solutions` path, no `*.db`, no notebook
-cell containing a solution or hidden-test marker (`labkit.release.MARKERS`); any of these fails
+cell containing a solution or hidden-test marker (`labkit.tools.release.MARKERS`); any of these fails
 the build.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 
-from labkit.release import HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN
+from labkit.tools.release import HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN
 
 COPIED = ["course", "labs", "pyproject.toml", "environment.yml"]
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.db", "*.egg-info",
@@ -30,7 +30,7 @@ README = """# Distributed LLM training: student copy
 3. Each lab's test cells show the visible tests; the grader adds hidden tests of the same
    functions. Run every cell from the top in a fresh kernel before you hand a lab in.
 4. `labkit` (in `utils/labkit/`) starts real torch.distributed ranks from a notebook:
-   see `utils/labkit/README.md`.
+   see `utils/labkit/runtime/README.md`.
 """
 
 

@@ -8,7 +8,7 @@ stderr lines in red, the whole view collapsible. The same display carries a text
 the labelled lines grouped by rank, which is what headless runs (papermill, nbclient, nbconvert,
 the test suite) read and what a terminal prints.
 
-    from labkit.display import show_rank_outputs
+    from labkit.runtime.display import show_rank_outputs
     show_rank_outputs({0: ["loss 2.31", "loss 2.05"], 1: ["loss 2.29", "loss 2.07"]})
 
     view = RankOutputView()          # live: one display, updated in place as lines arrive

@@ -30,7 +30,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit import _hooks
+from labkit.runtime import hooks as _hooks
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))

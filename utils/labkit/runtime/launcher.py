@@ -30,8 +30,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import cloudpickle
 
-from labkit import diagnose, display
-from labkit._output import RankOutput
+from labkit.runtime import diagnose, display
+from labkit.runtime.output import RankOutput
 from labkit.errors import (CallInterrupted, CallTimeout, PicklingError, RankDied, RankError,
                            WorldError)
 
@@ -47,7 +47,7 @@ _GENERATION = itertools.count(1)
 
 def _context():
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["labkit._worker"])
+    context.set_forkserver_preload(["labkit.runtime.worker"])
     return context
 
 
@@ -196,7 +196,7 @@ class World:
         generation = next(_GENERATION)
         threads = max(1, (os.cpu_count() or 1) // self.size)
         width = len(str(self.size - 1))
-        from labkit import _worker
+        from labkit.runtime import worker as _worker
         for rank in range(self.size):
             commands, commands_child = context.Pipe(duplex=True)
             diagnostics, diagnostics_child = context.Pipe(duplex=True)
@@ -504,7 +504,7 @@ class World:
 
     def tracing(self):
         """Record every communication op of the calls made inside `with world.tracing() as t:`."""
-        from labkit.trace import Trace
+        from labkit.runtime.trace import Trace
         return Trace(self)
 
     def inject_fault(self, rank, at_collective, action="exit", seconds=0.0):

@@ -2,7 +2,7 @@
 
     with world.tracing() as trace:
         world.run(step)
-    trace.ops(rank=0, op="all_reduce")   # records, see labkit._hooks for the fields
+    trace.ops(rank=0, op="all_reduce")   # records, see labkit.runtime.hooks for the fields
     trace.bytes_sent(rank=0)             # bytes rank 0 wrote to its sockets (gloo)
     trace.plot_timeline()                # one row per rank, one bar per op
 """

@@ -16,11 +16,11 @@ import sys
 
 # name -> (module, one-line help). Keep it a plain table: other subcommands are added here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "build": ("labkit.build", "execute every course notebook and lab solution headless"),
-    "release": ("labkit.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
-    "torchrun": ("labkit.torchrun", "run a module:function on ranks started by torchrun (env://)"),
+    "build": ("labkit.tools.build", "execute every course notebook and lab solution headless"),
+    "release": ("labkit.tools.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
+    "torchrun": ("labkit.runtime.torchrun", "run a module:function on ranks started by torchrun (env://)"),
     "grade": ("labkit.grading.cli", "autograde a folder of submissions of a lab (docs/INSTRUCTORS.md)"),
-    "dist": ("labkit.dist", "build the student distribution (no solutions, hidden tests, gradebook)"),
+    "dist": ("labkit.tools.dist", "build the student distribution (no solutions, hidden tests, gradebook)"),
 }
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_module(module, argv=None, prog=None, description=None) -> int:
     """Parse `argv` with the module's `add_arguments` and call its `run`: what both `labkit NAME`
-    and `python -m labkit.NAME` do."""
+    and `python -m labkit.tools.NAME` do."""
     parser = argparse.ArgumentParser(
         prog=prog or f"python -m {getattr(module.__spec__, 'name', None) or module.__name__}",
         description=description or (module.__doc__ or "").split("\n")[0],

@@ -1,8 +1,8 @@
 """Execute every course notebook and every lab solution headless, as CI and `make course` do.
 
-    python -m labkit.build                      # small, CPU/gloo unless every rank can have a GPU
-    python -m labkit.build --world 4 --backend nccl --scale large
-    python -m labkit.build --only 00            # notebooks whose path contains "00"
+    labkit build                      # small, CPU/gloo unless every rank can have a GPU
+    labkit build --world 4 --backend nccl --scale large
+    labkit build --only 00            # notebooks whose path contains "00"
 
 Each notebook runs under papermill with its `parameters` cell overridden (WORLD_SIZE, BACKEND,
 SCALE), in a fresh kernel, in a copy of its folder under build/work/. The executed copy goes to
@@ -98,7 +98,7 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
         status, error = "FAILED", "no cell tagged 'parameters' (papermill would inject blindly)"
     else:
         try:
-            # headless: rank output as plain `[rank k] ...` lines (see labkit.display.live_view)
+            # headless: rank output as plain `[rank k] ...` lines (see labkit.runtime.display.live_view)
             os.environ.setdefault("LABKIT_OUTPUT", "text")
             with _stderr_to(log):  # kernel and papermill chatter: kept, off the progress line
                 papermill.execute_notebook(
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.cli import run_module
+    from labkit.tools.cli import run_module
     return run_module(sys.modules[__name__], argv)
 
 

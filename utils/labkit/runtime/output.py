@@ -29,7 +29,7 @@ class RankOutput:
         self.closed = set()
         self.lines = []          # (stream, text) shown since the last `take_lines`
         self.echo = True
-        self.sink = None         # a live per-rank view (labkit.display), else lines are printed
+        self.sink = None         # a live per-rank view (labkit.runtime.display), else lines are printed
 
     def open_fds(self):
         return [fd for fd in self.buffers if fd not in self.closed]

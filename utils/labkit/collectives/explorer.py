@@ -1,6 +1,6 @@
 """An interactive alpha-beta explorer for all-reduce algorithms (chapter 1, `course/01_collectives.ipynb`).
 
-    from labkit.cost_explorer import explorer, compare
+    from labkit.collectives.explorer import explorer, compare
     explorer()                                   # sliders: P, message size, alpha, beta
     compare(P=8, n_bytes=1e6, alpha=5e-6, beta=1e-10)   # the same numbers as plain data
 

@@ -8,7 +8,7 @@ The functions you run with `world.run(fn, ...)` in a notebook run unchanged here
 
 Arguments after the function are read as Python literals where they parse (10 -> int), else
 kept as strings. Each rank prints its return value as `[rank k] result: ...`.
-Under the hood this is `torchrun ... -m labkit.torchrun --entry module:function args...`.
+Under the hood this is `torchrun ... -m labkit.runtime.torchrun --entry module:function args...`.
 """
 
 import argparse
@@ -32,7 +32,7 @@ def add_arguments(parser):
 
 
 def main(argv=None):
-    from labkit.cli import run_module
+    from labkit.tools.cli import run_module
     return run_module(sys.modules[__name__], argv, prog="labkit torchrun",
                       description=__doc__)
 
@@ -50,7 +50,7 @@ def run(options):
     else:
         command += [f"--node-rank={options.node_rank}", f"--master-addr={options.master_addr}",
                     f"--master-port={options.master_port}"]
-    command += ["-m", "labkit.torchrun", "--entry", options.target,
+    command += ["-m", "labkit.runtime.torchrun", "--entry", options.target,
                 "--backend", options.backend, *options.args]
     return subprocess.call(command)
 
@@ -66,8 +66,8 @@ def entry(argv):
     """What each rank runs: init from env://, install labkit's hooks, call the function."""
     import torch
     import torch.distributed as dist
-    from labkit import _hooks, _worker
-    parser = argparse.ArgumentParser(prog="labkit.torchrun --entry")
+    from labkit.runtime import hooks as _hooks, worker as _worker
+    parser = argparse.ArgumentParser(prog="labkit.runtime.torchrun --entry")
     parser.add_argument("--entry", required=True)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("args", nargs=argparse.REMAINDER)

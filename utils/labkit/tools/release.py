@@ -1,7 +1,7 @@
 """Generate the student copies in labs/ from the nbgrader source in solutions/, and check them.
 
-    python -m labkit.release            # regenerate labs/<lab>/ for every solutions/<lab>/
-    python -m labkit.release --check    # exit 1 if labs/ differs from a fresh release, a lab has
+    labkit release            # regenerate labs/<lab>/ for every solutions/<lab>/
+    labkit release --check    # exit 1 if labs/ differs from a fresh release, a lab has
                                         # no source, or solution / hidden-test text leaked
 
 Generation uses nbgrader's Python API with the settings of the repository's nbgrader_config.py
@@ -186,6 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 if labs/ is stale, a lab lacks a source or text leaked")
     parser.add_argument("--root", type=Path, default=Path("."), help="repository root (.)")
+    parser.add_argument("labs", nargs="*", metavar="LAB",
+                        help="regenerate only these labs (default: every folder of solutions/)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +205,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"labkit release --check: labs/ matches solutions/ ({', '.join(lab_sources(root))}); no leaks")
         return 0
-    labs = generate(root)
+    unknown = sorted(set(args.labs) - set(lab_sources(root)))
+    if unknown:
+        print(f"labkit release: no source for {unknown} in solutions/", file=sys.stderr)
+        return 2
+    labs = generate(root, labs=args.labs or None)
     if not labs:
         print("labkit release: solutions/ holds no lab", file=sys.stderr)
         return 1
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.cli import run_module
+    from labkit.tools.cli import run_module
     return run_module(sys.modules[__name__], argv)
 
 

@@ -28,7 +28,7 @@ def _parser():
 def ranks_magic(line, cell, ipython=None):
     __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
     from labkit.errors import WorldError
-    from labkit.launcher import current
+    from labkit.runtime.launcher import current
     try:
         options = _parser().parse_args(shlex.split(line))
     except SystemExit:

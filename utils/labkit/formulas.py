@@ -1,0 +1,162 @@
+"""The ledger of formula checks: every formula the course teaches, checked against a measurement.
+
+    from labkit import formulas
+    formulas.check("ring all-reduce: bytes sent per rank", predicted=2 * (P - 1) / P * n,
+                   measured=trace.bytes_sent(0), rel_tol=0.01, unit="B")
+
+A check compares what a formula predicts with what real ranks did (bytes counted, memory measured,
+time taken) under a stated tolerance. It prints one line in the cell, records itself in the cell's
+output (MIME type `application/vnd.labkit.formula+json`), and raises `FormulaMismatch` when the
+measurement is outside the tolerance. `labkit build` (`make course`) collects the records of every
+executed notebook into build/formulas.md and the HTML index: the course's "no naked formula" rule,
+counted.
+
+`predicted` and `measured` may be numbers or equal-length sequences of numbers (a sweep: the error
+is the worst element's). `bound="upper"` checks measured <= predicted (within the tolerance), and
+`bound="lower"` measured >= predicted: for formulas that are limits (the most microbatches alive,
+the least bytes a split must move).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+MIME = "application/vnd.labkit.formula+json"
+BOUNDS = (None, "upper", "lower")
+
+
+class FormulaMismatch(AssertionError):
+    """A measurement disagrees with the formula beyond the stated tolerance."""
+
+
+@dataclasses.dataclass
+class FormulaCheck:
+    name: str
+    predicted: list
+    measured: list
+    rel_tol: float
+    abs_tol: float
+    bound: str | None
+    unit: str
+    source: str
+    worst_error: float          # relative error of the worst element (inf where predicted is 0)
+    passed: bool
+
+    def as_record(self) -> dict:
+        record = dataclasses.asdict(self)
+        record["worst_error"] = None if math.isinf(self.worst_error) else self.worst_error
+        return record
+
+    def line(self) -> str:
+        """The one line a cell shows."""
+        def show(values):
+            if len(values) == 1:
+                return f"{values[0]:.6g}{(' ' + self.unit) if self.unit else ''}"
+            return f"[{', '.join(f'{v:.4g}' for v in values[:6])}{', ...' if len(values) > 6 else ''}]" \
+                   f"{(' ' + self.unit) if self.unit else ''}"
+        mark = "ok  " if self.passed else "FAIL"
+        relation = {None: "", "upper": " (an upper bound)", "lower": " (a lower bound)"}[self.bound]
+        tolerance = []
+        if self.rel_tol:
+            tolerance.append(f"{self.rel_tol:.3g} relative")
+        if self.abs_tol:
+            tolerance.append(f"{self.abs_tol:.3g}{(' ' + self.unit) if self.unit else ''} absolute")
+        error = "exact" if self.worst_error == 0 else (
+            "inf" if math.isinf(self.worst_error) else f"{self.worst_error:.2%}")
+        return (f"[formula {mark}] {self.name}{relation}: predicted {show(self.predicted)}, "
+                f"measured {show(self.measured)}; error {error}, tolerance "
+                f"{' or '.join(tolerance) or 'exact'}")
+
+
+def _as_list(value, what: str) -> list:
+    if hasattr(value, "tolist"):             # tensors and numpy arrays
+        value = value.tolist()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [float(value)]
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return [float(v) for v in value]
+    raise TypeError(f"formulas.check: {what} must be a number or a non-empty sequence of numbers, "
+                    f"got {value!r}")
+
+
+def _within(predicted: float, measured: float, rel_tol: float, abs_tol: float,
+            bound: str | None) -> bool:
+    slack = max(rel_tol * abs(predicted), abs_tol)
+    if bound == "upper":
+        return measured <= predicted + slack
+    if bound == "lower":
+        return measured >= predicted - slack
+    return abs(measured - predicted) <= slack
+
+
+def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
+             bound: str | None = None, unit: str = "", source: str = "") -> FormulaCheck:
+    """The check as data, without printing or raising (what `check` records)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("formulas.check: name the formula (a non-empty string)")
+    if bound not in BOUNDS:
+        raise ValueError(f"formulas.check: bound must be one of {BOUNDS}, got {bound!r}")
+    if rel_tol < 0 or abs_tol < 0:
+        raise ValueError(f"formulas.check: tolerances must be >= 0, got rel_tol={rel_tol}, "
+                         f"abs_tol={abs_tol}")
+    predicted, measured = _as_list(predicted, "predicted"), _as_list(measured, "measured")
+    if len(predicted) != len(measured):
+        raise ValueError(f"formulas.check({name!r}): {len(predicted)} predicted values but "
+                         f"{len(measured)} measured ones")
+    if not all(math.isfinite(v) for v in predicted + measured):
+        passed, worst = False, math.inf
+    else:
+        passed = all(_within(p, m, rel_tol, abs_tol, bound) for p, m in zip(predicted, measured))
+        errors = [0.0 if p == m else (abs(m - p) / abs(p) if p else math.inf)
+                  for p, m in zip(predicted, measured)]
+        worst = max(errors)
+    return FormulaCheck(name.strip(), predicted, measured, float(rel_tol), float(abs_tol), bound,
+                        unit, source, worst, passed)
+
+
+def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
+          bound: str | None = None, unit: str = "", source: str = "") -> FormulaCheck:
+    """Record a formula checked against a measurement; raise FormulaMismatch if it fails.
+
+    name: what the formula gives ("ring all-reduce: bytes sent per rank").
+    predicted, measured: numbers or equal-length sequences of numbers.
+    rel_tol, abs_tol: the stated tolerance (a value passes within either); both 0 means exact.
+    bound: None (equal), "upper" (measured <= predicted) or "lower" (measured >= predicted).
+    unit: shown after the numbers ("B", "s", "GB/s"). source: where the formula comes from
+    (a paper, a section), shown in the ledger.
+    """
+    result = evaluate(name, predicted, measured, rel_tol, abs_tol, bound, unit, source)
+    _publish(result)
+    if not result.passed:
+        raise FormulaMismatch(result.line() + ". The measurement and the formula disagree: "
+                              "check the inputs of the formula, then what was measured.")
+    return result
+
+
+def _publish(result: FormulaCheck) -> None:
+    """Show the line; in a kernel, also attach the record to the cell's output."""
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is None or not hasattr(shell, "display_pub"):
+        print(result.line())
+        return
+    from IPython.display import publish_display_data
+    publish_display_data({"text/plain": result.line(), MIME: result.as_record()})
+
+
+def records_in_notebook(nb) -> list[dict]:
+    """Every formula record in an executed notebook (an nbformat node or its dict)."""
+    found = []
+    for cell in nb.get("cells", []):
+        for output in cell.get("outputs", []):
+            record = output.get("data", {}).get(MIME)
+            if isinstance(record, str):
+                record = json.loads(record)
+            if isinstance(record, dict):
+                found.append(record)
+    return found
