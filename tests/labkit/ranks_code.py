@@ -128,3 +128,58 @@ def rank0_waits_alone():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))
     return dist.get_rank()
+
+
+def own_share_only(share, scale):
+    """run_each: a rank sees its own share; it must communicate to learn the others'."""
+    total = share.clone() * scale
+    dist.all_reduce(total)
+    return {"mine": share, "total": total}
+
+
+def ring_send(share):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    into = torch.empty_like(share)
+    sending = dist.isend(share, (rank + 1) % size)
+    dist.irecv(into, (rank - 1) % size).wait()
+    sending.wait()
+    return into
+
+
+def overlapped(share, asynchronous):
+    """A collective started before the mark (asynchronous) or only after it."""
+    import labkit
+    work = dist.all_reduce(share, async_op=True) if asynchronous else None
+    labkit.mark("middle")
+    if work is None:
+        dist.all_reduce(share)
+    else:
+        work.wait()
+    return share
+
+
+def p2p_between_some_then_collective():
+    """Rank 0 sends to rank 1, rank 2 takes no part, then everybody all-reduces: correct."""
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.send(t, 1)
+    elif dist.get_rank() == 1:
+        dist.recv(t, 0)
+    dist.all_reduce(t)
+    group = dist.new_group([0, 1, 2])
+    if dist.get_rank() == 2:
+        dist.send(t, group_dst=0, group=group)
+    elif dist.get_rank() == 0:
+        dist.recv(t, group_src=2, group=group)
+    dist.all_reduce(t, group=group)
+    return t.sum().item()
+
+
+def world_inside_a_rank():
+    import labkit
+    labkit.world(2)
+
+
+def destroys_group():
+    dist.destroy_process_group()
+    return "gone"

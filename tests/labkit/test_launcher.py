@@ -238,3 +238,62 @@ def test_a_rank_killed_between_calls_is_reported_at_the_next_call(world2):
         world2.run(rc.summed, 0)
     assert caught.value.rank == 1
     assert world2.run(rc.summed, 0) == [1.0, 1.0]
+
+
+def test_run_each_sends_each_rank_its_own_share_only():
+    import torch
+    world = labkit.world(3, timeout=20)
+    shares = [torch.full((2,), float(10 ** r)) for r in range(3)]
+    results = world.run_each(rc.own_share_only, shares, 2.0)
+    assert [r["mine"].tolist() for r in results] == [s.tolist() for s in shares]
+    assert all(r["total"].tolist() == [222.0, 222.0] for r in results)
+    with pytest.raises(ValueError, match="one share per rank: the world has 3 ranks, got 2"):
+        world.run_each(rc.own_share_only, shares[:2], 1.0)
+
+
+def test_traffic_is_counted_per_peer_from_outside_the_ranks():
+    import torch
+    world = labkit.world(3, timeout=20)
+    n = 25_000                                            # 100 kB per rank
+    with world.traffic() as traffic:
+        world.run_each(rc.ring_send, [torch.ones(n) * r for r in range(3)])
+    assert traffic.complete
+    for rank in range(3):
+        right, left = (rank + 1) % 3, (rank - 1) % 3
+        assert 4 * n <= traffic.matrix[rank][right] <= 4 * n + 512, traffic.table()
+        assert traffic.matrix[rank][left] < 512, traffic.table()   # only the receiver's notices
+        assert traffic.outside[rank] == 0
+    assert traffic.sent == [sum(row) for row in traffic.matrix]
+
+
+def test_a_mark_snapshots_what_was_sent_before_it():
+    import torch
+    world = labkit.world(3, timeout=20)
+    n = 50_000
+    for asynchronous, before in ((True, "everything"), (False, "nothing")):
+        with world.traffic() as traffic:
+            world.run_each(rc.overlapped, [torch.ones(n)] * 3, asynchronous)
+        at_mark = traffic.marks["middle"]["sent"]
+        if asynchronous:      # the all-reduce ran while the ranks waited at the mark
+            assert all(sent >= 2 * 2 / 3 * 4 * n for sent in at_mark), (at_mark, traffic.sent)
+        else:
+            assert at_mark == [0, 0, 0], at_mark
+        assert all(total >= 2 * 2 / 3 * 4 * n for total in traffic.sent)
+
+
+def test_teaching_mode_accepts_messages_between_some_ranks_before_a_collective():
+    world = labkit.world(3, timeout=20)              # teaching mode is the default
+    assert world.run(rc.p2p_between_some_then_collective) == [36.0] * 3   # 4 x 3 x 3
+    with pytest.raises(labkit.RankError, match="collective mismatch"):
+        world.run(rc.sizes_differ)                    # real mismatches are still caught
+
+
+def test_labkit_world_inside_a_rank_says_what_is_wrong(world2):
+    with pytest.raises(labkit.RankError, match="labkit.world\\(\\) was called on rank"):
+        world2.run(rc.world_inside_a_rank)
+
+
+def test_a_call_that_destroys_the_process_group_gets_a_restarted_world(world2, capsys):
+    assert world2.run(rc.destroys_group) == ["gone", "gone"]
+    assert world2.run(rc.summed, 1) == [3.0, 3.0]
+    assert "destroyed the process group" in capsys.readouterr().out

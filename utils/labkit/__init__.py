@@ -10,7 +10,7 @@ See README.md beside this file for the whole API in one page.
 from labkit.errors import (CallInterrupted, CallTimeout, LabkitError, PicklingError, RankDied,
                            RankError, WorldError)
 
-__all__ = ["world", "World", "current", "shutdown_all", "device", "LabkitError", "WorldError",
+__all__ = ["world", "World", "current", "shutdown_all", "device", "mark", "LabkitError", "WorldError",
            "RankError", "RankDied", "CallTimeout", "CallInterrupted", "PicklingError",
            "load_ipython_extension"]
 
@@ -39,6 +39,16 @@ def device():
         import torch
         return torch.device("cpu")
     return worker.STATE.device
+
+
+def mark(label):
+    """Inside a rank: a point at which a measuring `world.traffic()` snapshots the bytes every
+    rank has sent so far (`traffic.marks[label]`); returns once it is taken. Does nothing when
+    not called from a rank's task."""
+    import sys
+    worker = sys.modules.get("labkit.runtime.worker")
+    if worker is not None:
+        worker.mark(label)
 
 
 def load_ipython_extension(ipython):

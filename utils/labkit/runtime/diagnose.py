@@ -10,6 +10,7 @@ collective) for those ops and its current stack, and this module writes the repo
     => rank 1 never issued all_reduce #2 on ranks [0, 1], which rank 0 is waiting in.
 """
 
+import json
 import re
 import time
 from multiprocessing.connection import wait
@@ -53,8 +54,8 @@ def collect(connections, seconds=2.0):
         for connection in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
             rank = asked.pop(connection)
             try:
-                answers[rank] = connection.recv()
-            except (EOFError, OSError):
+                answers[rank] = json.loads(connection.recv_bytes())   # JSON: never unpickled
+            except (EOFError, OSError, ValueError):
                 pass
     return answers
 

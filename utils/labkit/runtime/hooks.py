@@ -44,6 +44,7 @@ class _State:
         self.fault = None            # {"at": k, "action": "exit"|"sleep", "seconds": s}
         self.count_wire = True
         self.failed_op = None        # the record of the last op that raised, until reported
+        self.p2p_group = None        # teaching mode: point-to-point messages travel on this group
 
 
 STATE = _State()
@@ -171,6 +172,8 @@ def _wrap(name, function, point_to_point):
         STATE.current.append(record)
         if STATE.records is not None:
             STATE.records.append(record)
+        if point_to_point and STATE.p2p_group is not None:
+            args, kwargs = _on_p2p_group(bound)
         _INSIDE.active = True
         try:
             result = function(*args, **kwargs)
@@ -190,6 +193,36 @@ def _wrap(name, function, point_to_point):
     traced.__name__ = name
     traced.__doc__ = function.__doc__
     return traced
+
+
+def _on_p2p_group(bound):
+    """The same point-to-point call, on the teaching-mode p2p group, with global ranks.
+
+    torch's DETAIL check (teaching mode) compares each collective's sequence number across the
+    ranks of its group, and send/recv advance that number on the two ranks that take part only:
+    after rank 0 sends to rank 1, the next collective of ranks 0, 1 and 2 would be reported as a
+    mismatch. Messages therefore travel on a second group spanning the world, made without the
+    check; the groups the program uses count collectives only, and their checks stay exact."""
+    kwargs = dict(bound)
+    group = kwargs.pop("group", None)
+    for local, plain in (("group_dst", "dst"), ("group_src", "src")):
+        if kwargs.get(local) is not None:
+            kwargs[plain] = dist.get_global_rank(group, kwargs.pop(local))
+        else:
+            kwargs.pop(local, None)
+    kwargs["group"] = STATE.p2p_group
+    return (), kwargs
+
+
+def make_p2p_group():
+    """Teaching mode: a world-spanning group without the DETAIL check, for send/recv (collective:
+    every rank calls it once, at start)."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    try:
+        STATE.p2p_group = dist.new_group(backend=dist.get_backend())
+    finally:
+        dist.set_debug_level(level)
 
 
 def install(count_wire=True):

@@ -17,6 +17,7 @@ import atexit
 import collections
 import io
 import itertools
+import json
 import linecache
 import multiprocessing
 import os
@@ -142,6 +143,7 @@ class _Rank:
         self.commands = commands
         self.diagnostics = diagnostics
         self.output = output
+        self.pid = None          # the rank's own process id, as it reported it when ready
 
     def alive(self):
         return self.process.is_alive()
@@ -163,6 +165,10 @@ class World:
     records their communication; `close` stops them.
     """
 
+    plain = False          # results come back pickled (a grader's world: plain data only)
+    records_always = False # every reply carries the call's communication records (hints)
+    MARK_WAIT = 2.0        # seconds the other ranks get to reach a mark the first one reached
+
     def __init__(self, size, backend="auto", timeout=60.0, teaching=True):
         self.size = size
         self.requested_backend = backend
@@ -171,6 +177,8 @@ class World:
         self.backend = _resolve_backend(size, backend)
         self.settings = (size, backend, timeout, teaching)
         self._ranks = []
+        self._measures = []       # world.traffic() blocks open now
+        self.last_records = {}    # rank -> records of the last call (records_always worlds)
         self._waiter = None       # what the kernel waits on: every rank's replies, end, output
         self._broken = None       # why the world must be restarted before the next call
         self._closed = False
@@ -191,32 +199,39 @@ class World:
 
     # -- start and stop -------------------------------------------------------------------
     def _start(self):
-        context = _context()
-        store = _store()
         generation = next(_GENERATION)
         threads = max(1, (os.cpu_count() or 1) // self.size)
         width = len(str(self.size - 1))
-        from labkit.runtime import worker as _worker
         for rank in range(self.size):
-            commands, commands_child = context.Pipe(duplex=True)
-            diagnostics, diagnostics_child = context.Pipe(duplex=True)
-            out_reader, out_writer = context.Pipe(duplex=False)
-            err_reader, err_writer = context.Pipe(duplex=False)
             settings = {"rank": rank, "world_size": self.size, "backend": self.backend,
-                        "teaching": self.teaching, "host": "127.0.0.1", "port": store.port,
+                        "teaching": self.teaching, "host": "127.0.0.1",
                         "prefix": f"labkit/world{generation}/",
-                        "pg_timeout": self.timeout + 60, "threads": threads}
-            process = context.Process(
-                target=_worker.main, name=f"labkit-rank-{rank}", daemon=True,
-                args=(settings, commands_child, diagnostics_child, out_writer, err_writer))
-            process.start()
-            for child_end in (commands_child, diagnostics_child, out_writer, err_writer):
-                child_end.close()
+                        "pg_timeout": self.timeout + 60, "threads": threads,
+                        "plain": self.plain, "records": self.records_always}
+            process, commands, diagnostics, out_reader, err_reader = self._spawn(rank, settings)
             output = RankOutput(rank, width, out_reader, err_reader)
             self._ranks.append(_Rank(rank, process, commands, diagnostics, output))
         self._sent_sources = set()
         self._waiter = self._handles()
         self._await_ready()
+
+    def _spawn(self, rank, settings):
+        """Start rank `rank`; return (process, commands, diagnostics, stdout and stderr readers).
+        Here: a child of the forkserver that preloaded torch; the grader overrides this."""
+        context = _context()
+        settings["port"] = _store().port
+        from labkit.runtime import worker as _worker
+        commands, commands_child = context.Pipe(duplex=True)
+        diagnostics, diagnostics_child = context.Pipe(duplex=True)
+        out_reader, out_writer = context.Pipe(duplex=False)
+        err_reader, err_writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_worker.main, name=f"labkit-rank-{rank}", daemon=True,
+            args=(settings, commands_child, diagnostics_child, out_writer, err_writer))
+        process.start()
+        for child_end in (commands_child, diagnostics_child, out_writer, err_writer):
+            child_end.close()
+        return process, commands, diagnostics, out_reader, err_reader
 
     def _await_ready(self):
         ready, failures = set(), {}
@@ -229,10 +244,11 @@ class World:
             for rank, message in self._pump(0.1):
                 if message is None:
                     failures[rank] = f"exited with code {self._ranks[rank].process.exitcode}"
-                elif message[0] == "ready":
+                elif message["kind"] == "ready":
                     ready.add(rank)
+                    self._ranks[rank].pid = message.get("pid")
                 else:
-                    failures[rank] = message[1]
+                    failures[rank] = message.get("message", str(message))
         if failures:
             self._stop_all(kill=True)
             self._closed = True
@@ -301,8 +317,8 @@ class World:
                     handles.remove(handle)
             elif kind == "msg":
                 try:
-                    messages.append((r.rank, r.commands.recv()))
-                except (EOFError, OSError):
+                    messages.append((r.rank, _receive(r.commands)))
+                except (EOFError, OSError, ValueError):
                     messages.append((r.rank, None))
                     handles.remove(handle)
             elif not r.commands.poll():
@@ -327,6 +343,21 @@ class World:
                             f"{type(fn).__name__}")
         payload = _serialize(fn, tuple(args), dict(kwargs or {}))
         return self._dispatch("call", payload, ranks, timeout)
+
+    def run_each(self, fn, shares, *args, timeout=None, **kwargs):
+        """Run `fn(shares[r], *args, **kwargs)` on every rank r: each rank is sent its own share
+        only. Returns the results, one per rank. (A checker's way to give each rank its part of
+        a case without handing any rank the whole case.)"""
+        __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
+        if not callable(fn):
+            raise TypeError(f"World.run_each needs a function to run on the ranks, got "
+                            f"{type(fn).__name__}")
+        shares = list(shares)
+        if len(shares) != self.size:
+            raise ValueError(f"run_each needs one share per rank: the world has {self.size} "
+                             f"ranks, got {len(shares)} shares")
+        payloads = [_serialize(fn, (share,) + tuple(args), dict(kwargs)) for share in shares]
+        return self._dispatch("call", payloads, None, timeout)
 
     def run_source(self, source, ranks=None, timeout=None, filename=None):
         """Run Python source on the ranks, each in its own persistent namespace (`%%ranks`).
@@ -373,10 +404,15 @@ class World:
             r.output.take_lines()
             r.output.echo = True
             r.output.sink = None if view is None else view.add
-        message = ForkingPickler.dumps((kind, task_id, payload, sources))   # pickled once
+        if isinstance(payload, list):               # run_each: one payload per rank
+            messages = {rank: ForkingPickler.dumps((kind, task_id, payload[rank], sources))
+                        for rank in targets}
+        else:
+            message = ForkingPickler.dumps((kind, task_id, payload, sources))   # pickled once
+            messages = dict.fromkeys(targets, message)
         for rank in targets:
             try:
-                self._ranks[rank].commands.send_bytes(message)
+                self._ranks[rank].commands.send_bytes(messages[rank])
             except OSError:
                 pass  # the rank is gone: its sentinel reports it below
         started = time.monotonic()
@@ -401,12 +437,20 @@ class World:
                               f"The world restarts on the next call.", diagnosis)
         if errors or deaths:
             self._raise_failure(targets, errors, deaths, stuck)
-        return [pickle.loads(results[rank]) for rank in targets]
+        return [self._decode(results[rank]) for rank in targets]
+
+    def _decode(self, data):
+        if self.plain:
+            from labkit.runtime.plain import loads
+            return loads(data)
+        return pickle.loads(data)
 
     def _collect(self, targets, task_id, deadline):
         """Wait for every target's reply and output marker; stop early on failure + grace."""
         results, errors, deaths = {}, {}, {}
         self._finished = results     # read by the interrupt handler in _dispatch
+        self.last_records = {}
+        marks = _Marks(self, targets, results, errors, deaths)
         grace_deadline = None
         while True:
             pending = [r for r in targets if r not in results and r not in errors
@@ -425,15 +469,29 @@ class World:
                         self._ranks[rank].process.join(timeout=1)
                         deaths[rank] = self._ranks[rank].process.exitcode
                     continue
-                kind, replied_task = message[0], message[1]
-                if rank not in targets or kind not in ("ok", "err") or replied_task != task_id:
+                kind = message.get("kind")
+                if rank not in targets or message.get("task") != task_id:
                     continue   # not an answer to this call
-                (results if kind == "ok" else errors)[rank] = message[2]
+                if kind == "mark":
+                    marks.reached(rank, str(message.get("label")))
+                    continue
+                if kind not in ("ok", "err"):
+                    continue
+                if kind == "ok":
+                    results[rank] = message.get("data", b"")
+                else:
+                    errors[rank] = message["error"]
+                if message.get("records") is not None:
+                    self.last_records[rank] = message["records"]
+                if message.get("group_gone") and not self._broken:
+                    self._broken = ("the call destroyed the process group "
+                                    "(dist.destroy_process_group)")
                 output = self._ranks[rank].output
-                if message[3]:           # the rank found its pipes already read
+                if message.get("drained"):   # the rank found its pipes already read
                     output.mark_complete(task_id)
                 else:
                     output.drain()       # its end markers are in the pipes: read them now
+            marks.check()
             if (errors or deaths) and grace_deadline is None:
                 grace_deadline = time.monotonic() + GRACE_SECONDS
 
@@ -498,14 +556,36 @@ class World:
                 if reply is None:
                     raise RankDied(f"rank {rank} died while answering {message[0]!r}", rank,
                                    r.process.exitcode)
-                if reply[0] == expect:
-                    return reply[1]
+                if reply.get("kind") == expect:
+                    return reply
         raise CallTimeout(f"rank {rank} did not answer {message[0]!r} within 30 s", "")
 
     def tracing(self):
-        """Record every communication op of the calls made inside `with world.tracing() as t:`."""
+        """Record every communication op of the calls made inside `with world.tracing() as t:`.
+        The records come from inside the ranks (what their code called): good for explaining,
+        never evidence for a grade (see `traffic`)."""
         from labkit.runtime.trace import Trace
         return Trace(self)
+
+    def traffic(self):
+        """Count the bytes the ranks send each other during the calls made inside
+        `with world.traffic() as t:`, from the operating system's socket counters, outside the
+        rank processes. `labkit.mark(label)` on the ranks adds a snapshot at that point."""
+        from labkit.runtime.traffic import Traffic
+        self._restart_if_needed()
+        return Traffic(self)
+
+    def rank_pids(self):
+        """{rank: process id} of the live ranks."""
+        return {r.rank: r.pid for r in self._ranks if r.pid is not None and r.alive()}
+
+    def _traffic_snapshot(self):
+        from labkit.runtime import traffic
+        return traffic.snapshot(self.rank_pids(), **self._netns())
+
+    def _netns(self):
+        """Where the ranks' sockets live: this network namespace (a grader's world overrides)."""
+        return {}
 
     def inject_fault(self, rank, at_collective, action="exit", seconds=0.0):
         """Make `rank` hard-exit (`action="exit"`) or sleep `seconds` (`"sleep"`) just before
@@ -519,6 +599,50 @@ class World:
             raise ValueError(f"a 'sleep' fault needs seconds > 0, got {seconds!r}")
         self._control(rank, ("fault", {"at": at_collective, "action": action,
                                        "seconds": float(seconds)}), "fault-set")
+
+
+def _receive(connection):
+    """A rank's message: a JSON header, and its payload bytes when it has one. Never unpickled."""
+    header = json.loads(connection.recv_bytes())
+    if header.get("payload"):
+        header["data"] = connection.recv_bytes()
+    return header
+
+
+class _Marks:
+    """labkit.mark(label) during a call: when every rank still running has reached the label (or
+    MARK_WAIT seconds after the first did), each open `world.traffic()` takes a snapshot once the
+    counters settle, then the waiting ranks are resumed."""
+
+    def __init__(self, world, targets, results, errors, deaths):
+        self.world, self.targets = world, targets
+        self.results, self.errors, self.deaths = results, errors, deaths
+        self.waiting = {}          # label -> {rank}
+        self.first = {}            # label -> monotonic time of the first arrival
+
+    def reached(self, rank, label):
+        self.waiting.setdefault(label, set()).add(rank)
+        self.first.setdefault(label, time.monotonic())
+
+    def check(self):
+        for label in list(self.waiting):
+            waiting = self.waiting[label]
+            running = [r for r in self.targets if r not in self.results
+                       and r not in self.errors and r not in self.deaths]
+            everyone = all(r in waiting for r in running)
+            if not everyone and time.monotonic() - self.first[label] < self.world.MARK_WAIT:
+                continue
+            if self.world._measures:
+                from labkit.runtime.traffic import settle
+                snap = settle(self.world._traffic_snapshot)
+                for measure in self.world._measures:
+                    measure.record_mark(label, snap)
+            for rank in waiting:
+                try:
+                    self.world._ranks[rank].commands.send(("resume",))
+                except OSError:
+                    pass
+            del self.waiting[label]
 
 
 def _first_line(text, limit=300):
@@ -571,6 +695,12 @@ def world(n, backend="auto", timeout=60.0, teaching=True):
         ms per collective; turn it off for bandwidth measurements).
     """
     global _CURRENT
+    from labkit.runtime import worker as _worker
+    if _worker.STATE.rank is not None:
+        raise WorldError(
+            f"labkit.world() was called on rank {_worker.STATE.rank}, inside a world: the ranks "
+            f"already form a process group (use dist.* here). Call labkit.world in the notebook, "
+            f"and pass the rank function to world.run.")
     if isinstance(n, bool) or not isinstance(n, int):
         raise WorldError(f"world size must be an int, got {n!r}")
     limit, cores, available = max_world_size()

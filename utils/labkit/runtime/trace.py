@@ -25,7 +25,7 @@ class Trace:
             self.complete = False
             return False
         for rank in range(self.world.size):
-            records += self.world._control(rank, ("trace", False), "traced")
+            records += self.world._control(rank, ("trace", False), "traced")["records"] or []
         self.records = sorted(records, key=lambda r: (r["t_start"], r["rank"]))
         return False
 

@@ -1,7 +1,10 @@
 """Rank side: the long-lived process behind one rank of a `World`.
 
 The kernel talks to a rank over three channels:
-- `commands`: a duplex Connection; the rank's main thread serves it (call, exec, trace, fault, stop);
+- `commands`: a duplex Connection; the rank's main thread serves it (call, exec, trace, fault, stop).
+  What the kernel sends is pickled; what the rank sends back never is: a JSON header, then the
+  result's bytes (pickled, or, for a grader, `torch.save` of plain data read back with
+  `weights_only=True`), so a process that reads a rank's replies runs none of the rank's code;
 - `diagnostics`: a duplex Connection served by a small thread, so a rank stuck inside a
   collective can still say where it is (its stack and its last communication ops);
 - its file descriptors 1 and 2, redirected into two pipes the kernel reads, so output printed by
@@ -9,13 +12,16 @@ The kernel talks to a rank over three channels:
   the kernel returns only once it has read both markers: output is drained before a call returns.
 
 This module is preloaded by the forkserver, so a new rank starts from a process that has already
-imported torch.
+imported torch. `python -m labkit.runtime.worker SETTINGS_JSON` starts a rank from inherited file
+descriptors instead (the grader launches ranks that way, inside its sandbox).
 """
 
 import array
 import ast
 import ctypes
 import fcntl
+import io
+import json
 import linecache
 import os
 import pickle
@@ -43,6 +49,10 @@ class RankState:
     device = torch.device("cpu")
     backend = None
     namespace = None
+    commands = None          # the kernel's channel, while a task runs (labkit.mark uses it)
+    task_id = None
+    plain = False            # results as plain data (torch.save), for a grader
+    records = False          # send this task's communication records with every reply
 
 
 STATE = RankState()
@@ -156,6 +166,14 @@ def _run_source(source, filename):
     return None
 
 
+def send(connection, header, payload=None):
+    """Rank -> kernel: a JSON header (and the payload's bytes, if any). Never pickled."""
+    header = dict(header, payload=payload is not None)
+    connection.send_bytes(json.dumps(header, default=str).encode())
+    if payload is not None:
+        connection.send_bytes(payload)
+
+
 def _serve_diagnostics(connection, main_thread_id):
     while True:
         try:
@@ -167,7 +185,7 @@ def _serve_diagnostics(connection, main_thread_id):
             reply["stack"] = current_stack(main_thread_id)
             reply["pid"] = os.getpid()
             try:
-                connection.send(reply)
+                send(connection, reply)
             except (OSError, BrokenPipeError):
                 return
 
@@ -183,8 +201,10 @@ def _init_process_group(settings):
         STATE.device = torch.device("cuda", settings["rank"])
         torch.cuda.set_device(STATE.device)
     dist.set_debug_level(dist.DebugLevel.DETAIL if settings["teaching"] else dist.DebugLevel.OFF)
-    store = dist.TCPStore(settings["host"], settings["port"], is_master=False,
-                          timeout=timedelta(seconds=60))
+    host_store = settings.get("store_on_rank_0", False) and settings["rank"] == 0
+    store = dist.TCPStore(settings["host"], settings["port"], is_master=host_store,
+                          world_size=settings["world_size"] if host_store else None,
+                          wait_for_workers=False, timeout=timedelta(seconds=60))
     store = dist.PrefixStore(settings["prefix"], store)
     kwargs = {"device_id": STATE.device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=settings["rank"],
@@ -193,7 +213,8 @@ def _init_process_group(settings):
 
 
 def main(settings, commands, diagnostics, out_writer, err_writer):
-    _die_with_parent()
+    if settings.get("die_with_parent", True):
+        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the kernel handles interrupts for us
     os.dup2(out_writer.fileno(), 1)
     os.dup2(err_writer.fileno(), 2)
@@ -205,11 +226,15 @@ def main(settings, commands, diagnostics, out_writer, err_writer):
     torch.set_num_threads(settings["threads"])
     STATE.rank, STATE.world_size = settings["rank"], settings["world_size"]
     STATE.backend = settings["backend"]
+    STATE.plain = bool(settings.get("plain", False))
+    STATE.records = bool(settings.get("records", False))
     try:
         _init_process_group(settings)
+        if settings["teaching"] and settings["world_size"] > 1:
+            _hooks.make_p2p_group()
         _hooks.install(count_wire=settings["backend"] == "gloo")
     except BaseException as error:  # noqa: BLE001 - reported to the kernel, then exit
-        commands.send(("fail", f"{type(error).__name__}: {error}"))
+        send(commands, {"kind": "fail", "message": f"{type(error).__name__}: {error}"})
         _flush_all(MARKER.format("start"))
         os._exit(3)
     STATE.namespace = {"__name__": "__rank__", "rank": STATE.rank,
@@ -218,7 +243,7 @@ def main(settings, commands, diagnostics, out_writer, err_writer):
     exec("import labkit", STATE.namespace)
     threading.Thread(target=_serve_diagnostics, args=(diagnostics, threading.get_ident()),
                      daemon=True, name="labkit-diagnostics").start()
-    commands.send(("ready", {"pid": os.getpid(), "device": str(STATE.device)}))
+    send(commands, {"kind": "ready", "pid": os.getpid(), "device": str(STATE.device)})
     _flush_all(MARKER.format("start"))
     _serve(commands)
 
@@ -235,23 +260,44 @@ def _serve(commands):
         elif kind == "trace":
             if message[1]:
                 _hooks.start_tracing()
-                commands.send(("traced", None))
+                send(commands, {"kind": "traced", "records": None})
             else:
-                commands.send(("traced", _hooks.stop_tracing()))
+                send(commands, {"kind": "traced", "records": _hooks.stop_tracing()})
         elif kind == "fault":
             _hooks.set_fault(message[1])
-            commands.send(("fault-set", None))
+            send(commands, {"kind": "fault-set"})
         elif kind == "stop":
             try:
-                dist.destroy_process_group()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
             finally:
-                commands.send(("stopped", None))
+                send(commands, {"kind": "stopped"})
                 _flush_all(MARKER.format("stop"))
                 os._exit(0)
 
 
+def encode(result):
+    """A task's result as bytes: pickled, or (plain mode) torch.save of plain data."""
+    result = _to_cpu(result)
+    if STATE.plain:
+        from labkit.runtime.plain import plain
+        buffer = io.BytesIO()
+        torch.save(plain(result), buffer)
+        return buffer.getvalue()
+    try:
+        return pickle.dumps(result)
+    except Exception as error:  # noqa: BLE001
+        raise TypeError(f"the value returned by rank {STATE.rank} cannot be sent back to "
+                        f"the kernel ({type(result).__name__}): {error}. Return plain data: "
+                        f"tensors, numbers, lists, dicts.") from None
+
+
 def _run_task(commands, message):
     kind, task_id, payload, sources = message
+    STATE.commands, STATE.task_id = commands, task_id
+    if STATE.records:
+        _hooks.start_tracing()
+    data = None
     try:
         _register_sources(sources)
         if kind == "call":
@@ -259,24 +305,51 @@ def _run_task(commands, message):
             result = function(*args, **kwargs)
         else:
             result = _run_source(payload, sources["__filename__"])
-        result = _to_cpu(result)
-        try:
-            data = pickle.dumps(result)
-        except Exception as error:  # noqa: BLE001
-            raise TypeError(f"the value returned by rank {STATE.rank} cannot be sent back to "
-                            f"the kernel ({type(result).__name__}): {error}. Return plain data: "
-                            f"tensors, numbers, lists, dicts.") from None
-        reply = ["ok", task_id, data]
+        data = encode(result)
+        header = {"kind": "ok", "task": task_id}
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
-        reply = ["err", task_id, {"type": type(error).__name__, "message": str(error),
-                                  "traceback": format_exception(error),
-                                  "in_communication": _hooks.STATE.failed_op is not None}]
+        header = {"kind": "err", "task": task_id,
+                  "error": {"type": type(error).__name__, "module": type(error).__module__,
+                            "message": str(error)[:20000],
+                            "traceback": format_exception(error)[-20000:],
+                            "in_communication": _hooks.STATE.failed_op is not None}}
         _hooks.STATE.failed_op = None
-    reply.append(_end_task_output(task_id))   # True: the output is already drained
-    commands.send(tuple(reply))
+    finally:
+        STATE.commands = None
+    if STATE.records:
+        header["records"] = _hooks.stop_tracing()
+    header["group_gone"] = not dist.is_initialized()
+    header["drained"] = _end_task_output(task_id)   # True: the output is already drained
+    send(commands, header, data)
+
+
+def mark(label):
+    """A point at which whoever measures this call (`world.traffic()`) takes a snapshot of the
+    bytes every rank has sent so far; returns once it is taken. Outside a call: does nothing."""
+    commands = STATE.commands
+    if commands is None:
+        return
+    send(commands, {"kind": "mark", "task": STATE.task_id, "label": str(label)})
+    while True:
+        message = commands.recv()
+        if message[0] == "resume":
+            return
 
 
 def device():
     """This rank's device: `cuda:<rank>` under NCCL, `cpu` under gloo (and in the kernel)."""
     return STATE.device
 
+
+def _main_from_fds():
+    """`python -m labkit.runtime.worker SETTINGS_JSON`: a rank started with its channels as
+    inherited file descriptors (settings["fds"]: commands, diagnostics, stdout, stderr)."""
+    from multiprocessing.connection import Connection
+    settings = json.loads(sys.argv[1])
+    commands, diagnostics, out_fd, err_fd = settings["fds"]
+    main(settings, Connection(commands), Connection(diagnostics), Connection(out_fd),
+         Connection(err_fd))
+
+
+if __name__ == "__main__":
+    _main_from_fds()

@@ -1,0 +1,243 @@
+"""Kernel side: bytes the ranks sent to each other, counted from outside the rank processes.
+
+    with world.traffic() as traffic:
+        world.run_each(program, shares)
+    traffic.sent[r]          # TCP payload bytes rank r sent during the calls inside
+    traffic.matrix[r][q]     # ... of which to rank q
+    traffic.outside[r]       # ... to sockets that belong to no rank (a store, anything else)
+    traffic.marks[label]     # the matrix as it was when every rank reached labkit.mark(label)
+    traffic.unaccounted      # bytes on the network that no live rank socket carried (None if
+                             # the ranks share the network with other programs)
+
+Where the numbers come from: the operating system's own counters, read by this process. Each rank
+process's open sockets are found in /proc/<pid>/fd; the kernel's TCP counters of every socket
+(`bytes_sent` of tcp_info, as `ss -ti` prints them) say what it carried; a socket's peer address
+names the rank at the other end. Nothing here asks a rank anything, so code running on a rank
+cannot change what is counted. Under `labkit grade` the ranks have a network namespace of their
+own, and its loopback counters also catch bytes that went another way (a connection opened and
+closed within the call, UDP): `unaccounted`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import time
+
+_ADDRESS = re.compile(r"^(?:ESTAB|\S+)\s+\d+\s+\d+\s+(\S+)\s+(\S+)")
+_FIELD = re.compile(r"\b(ino|bytes_sent|bytes_retrans|bytes_received):(\d+)")
+# per packet on loopback: ethernet (14) + IPv4 (20) + TCP with timestamps (32)
+LOOPBACK_HEADER_BYTES = 66
+
+
+class TrafficError(RuntimeError):
+    """The counters cannot be read here (no `ss`, or no permission)."""
+
+
+@dataclasses.dataclass
+class Socket:
+    local: str
+    peer: str
+    sent: int          # payload bytes sent, each once
+    received: int
+    wire: int = 0      # payload bytes put on the wire, retransmissions included
+
+
+def available() -> tuple[bool, str]:
+    if shutil.which("ss") is None:
+        return False, "`ss` (Debian's iproute2) is not installed"
+    if not os.path.exists("/proc/self/fd"):
+        return False, "no /proc: not Linux"
+    return True, "ss and /proc available"
+
+
+def sockets(netns_pid: int | None = None) -> dict[int, Socket]:
+    """{inode: Socket} for every TCP socket of the network namespace of `netns_pid` (this one by
+    default), from the kernel's tcp_info counters."""
+    command = ["ss", "-tinHe"]
+    if netns_pid is not None:
+        command = ["nsenter", f"--net=/proc/{netns_pid}/ns/net"] + command
+    try:
+        text = subprocess.run(command, capture_output=True, text=True, timeout=20,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise TrafficError(f"cannot read socket counters with {' '.join(command)}: {error}") \
+            from None
+    found, current = {}, None
+    for line in text.splitlines():
+        if not line.startswith((" ", "\t")):
+            match = _ADDRESS.match(line)
+            current = None
+            if match:
+                fields = dict(_FIELD.findall(line))
+                if "ino" in fields:
+                    current = int(fields["ino"])
+                    found[current] = Socket(match.group(1), match.group(2), 0, 0)
+            continue
+        if current is None:
+            continue
+        fields = dict(_FIELD.findall(line))
+        # what the connection carried once: a segment sent again (a retransmission, which a
+        # loaded machine can cause even on loopback) is not counted twice
+        found[current].wire = int(fields.get("bytes_sent", 0))
+        found[current].sent = found[current].wire - int(fields.get("bytes_retrans", 0))
+        found[current].received = int(fields.get("bytes_received", 0))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open (threads share them)."""
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def loopback_counters(netns_pid: int) -> tuple[int, int]:
+    """(tx bytes, tx packets) of the loopback interface of `netns_pid`'s network namespace."""
+    with open(f"/proc/{netns_pid}/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                fields = rest.split()
+                return int(fields[8]), int(fields[9])
+    raise TrafficError(f"no loopback interface in the network namespace of pid {netns_pid}")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    sockets: dict          # inode -> Socket
+    owner: dict            # inode -> rank
+    loopback: tuple | None  # (tx bytes, tx packets) of a private network namespace
+
+
+def snapshot(pids: dict, netns_pid: int | None = None, private_network: bool = False) -> Snapshot:
+    """The counters now. pids: {rank: pid}."""
+    owner = {}
+    for rank, pid in pids.items():
+        for inode in socket_inodes(pid):
+            owner[inode] = rank
+    socks = sockets(netns_pid)
+    loopback = loopback_counters(netns_pid) if private_network and netns_pid else None
+    return Snapshot(socks, owner, loopback)
+
+
+def _between(before: Snapshot, after: Snapshot, size: int):
+    """matrix[r][q], outside[r], and the bytes all live sockets put on the wire (retransmissions
+    included, as the interface counters count them), from two snapshots."""
+    matrix = [[0] * size for _ in range(size)]
+    outside = [0] * size
+    by_address = {s.local: inode for inode, s in after.sockets.items()}
+    carried = 0
+    for inode, sock in after.sockets.items():
+        earlier = before.sockets.get(inode)
+        carried += max(0, sock.wire - (earlier.wire if earlier is not None else 0))
+        delta = sock.sent - (earlier.sent if earlier is not None else 0)
+        if delta <= 0:
+            continue
+        rank = after.owner.get(inode, before.owner.get(inode))
+        if rank is None:
+            continue
+        peer_inode = by_address.get(sock.peer)
+        peer = None if peer_inode is None else after.owner.get(peer_inode,
+                                                               before.owner.get(peer_inode))
+        if peer is None:
+            outside[rank] += delta
+        else:
+            matrix[rank][peer] += delta
+    return matrix, outside, carried
+
+
+class Traffic:
+    """What `world.traffic()` returns; filled in when the `with` block ends."""
+
+    def __init__(self, world):
+        self.world = world
+        self.size = world.size
+        self.matrix = [[0] * self.size for _ in range(self.size)]
+        self.outside = [0] * self.size
+        self.marks: dict = {}
+        self.unaccounted = None
+        self.complete = False
+        self._start = None
+
+    # ---- what checkers read ---------------------------------------------------------------
+    @property
+    def sent(self) -> list:
+        return [sum(row) + out for row, out in zip(self.matrix, self.outside)]
+
+    def to(self, rank: int, peer: int) -> int:
+        return self.matrix[rank][peer]
+
+    def peers(self, rank: int, at_least: int = 1) -> list:
+        """The ranks `rank` sent at least `at_least` bytes to."""
+        return [q for q, count in enumerate(self.matrix[rank]) if count >= at_least]
+
+    def table(self) -> str:
+        """The matrix as text: rows send, columns receive."""
+        width = max(8, len(str(max((max(r) for r in self.matrix), default=0))) + 2)
+        head = "from\\to " + "".join(f"{'rank ' + str(q):>{width}}" for q in range(self.size))
+        rows = [head + f"{'outside':>{width}}"]
+        for r in range(self.size):
+            rows.append(f"rank {r:<3}" + "".join(f"{c:>{width}}" for c in self.matrix[r])
+                        + f"{self.outside[r]:>{width}}")
+        if self.unaccounted is not None:
+            rows.append(f"bytes on the network no rank socket carried: {self.unaccounted}")
+        return "\n".join(rows)
+
+    def __repr__(self):
+        return f"Traffic(sent={self.sent}, complete={self.complete})"
+
+    # ---- measuring (called by the world) ----------------------------------------------------
+    def _take(self) -> Snapshot:
+        return self.world._traffic_snapshot()
+
+    def __enter__(self):
+        self._start = self._take()
+        self.world._measures.append(self)
+        return self
+
+    def record_mark(self, label: str, snap: Snapshot):
+        matrix, outside, _ = _between(self._start, snap, self.size)
+        self.marks[label] = {"matrix": matrix, "outside": outside,
+                             "sent": [sum(r) + o for r, o in zip(matrix, outside)]}
+
+    def __exit__(self, *exc):
+        self.world._measures.remove(self)
+        if self.world._broken or self.world._closed:
+            return False       # ranks restarted: their sockets are gone, the counts incomplete
+        end = self._take()
+        self.matrix, self.outside, carried = _between(self._start, end, self.size)
+        if self._start.loopback is not None and end.loopback is not None:
+            data = end.loopback[0] - self._start.loopback[0]
+            packets = end.loopback[1] - self._start.loopback[1]
+            payload = max(0, data - LOOPBACK_HEADER_BYTES * packets)
+            self.unaccounted = max(0, payload - carried)
+        self.complete = True
+        return False
+
+
+def settle(take, seconds: float = 1.0, step: float = 0.03) -> Snapshot:
+    """A snapshot once the counters stopped moving (or after `seconds`): in-flight work of
+    asynchronous collectives finishes sending before a mark is recorded."""
+    deadline = time.monotonic() + seconds
+    last = take()
+    while time.monotonic() < deadline:
+        time.sleep(step)
+        now = take()
+        if all(now.sockets.get(i) is not None and now.sockets[i].sent == s.sent
+               for i, s in last.sockets.items()) and len(now.sockets) == len(last.sockets):
+            return now
+        last = now
+    return last
