@@ -28,7 +28,7 @@ from labkit.pipeline.analysis import (Deadlock, Report, bubble_formula, bubble_r
                                       simulate_blocking_sends, validate)
 from labkit.pipeline.bench import (cut, make_model, microbatches, reference_gradients,
                                    token_count)
-from labkit.pipeline.executor import ActivationMeter, pipeline_step, run_actions
+from labkit.pipeline.executor import ActivationMeter, pipeline_step, pipeline_steps, run_actions
 from labkit.pipeline.plots import draw_timeline, events_timeline, measured_bubble
 from labkit.pipeline.schedules import (KINDS, Action, action, chunks_of, format_schedule, gpipe,
                                        interleaved_1f1b, normalise, parse, placement,
@@ -42,6 +42,6 @@ __all__ = [
     "torch_schedule", "torch_pipeline_order", "check_schedule", "Report", "Deadlock", "validate",
     "simulate", "simulate_blocking_sends", "peak_alive", "link_order", "bubble_formula",
     "bubble_ratio_formula", "make_model", "cut", "microbatches", "reference_gradients",
-    "token_count", "run_actions", "pipeline_step", "ActivationMeter", "torch_step",
+    "token_count", "run_actions", "pipeline_step", "pipeline_steps", "ActivationMeter", "torch_step",
     "draw_timeline", "events_timeline", "measured_bubble",
 ]

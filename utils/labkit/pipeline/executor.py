@@ -168,7 +168,7 @@ def run_actions(actions, piece, activation_shape, tokens=None, targets=None, *, 
             with meter.hooks() if meter else _nothing():           # x: [b, T] | [b, T, H]
                 out = piece(x)                                     # out: [b, T, H | V]
                 if last:
-                    total, _ = loss_sum(out, targets[i].to(device))
+                    total, _ = loss_sum(out, targets[i].to(device).clone())
                     out = total / total_tokens                     # S_i / N
                     loss_total += out.item()
             held[i] = [x, out, None]
@@ -220,8 +220,8 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
                   clock_costs=None, measure_memory=False):
     """On every rank of the world: one step of `schedule` on the bench model of `case`.
 
-    case: {"model_seed", "data_seed", "m", "b", "T"} and optionally "layers", "weights" (stage
-    sizes). Each rank builds the same model, keeps its piece (stage = rank), and runs its actions;
+    case: {"model_seed", "data_seed", "m"} and optionally "b", "T", "layers", "hidden",
+    "weights" (relative stage sizes). Each rank builds the same model, keeps its piece (stage = rank), and runs its actions;
     stage 0 sees the tokens, the last stage the targets. costs: one dict for every stage, or a list
     of dicts, one per stage (unbalanced stages); clock_costs likewise. Returns run_actions'
     result plus "grads".
@@ -231,15 +231,33 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
     schedule = normalise(schedule)
     if len(schedule) != p:
         raise ValueError(f"the schedule has {len(schedule)} stages, the world {p} ranks")
-    model = bench.make_model(case["model_seed"], case.get("layers", bench.LAYERS))
-    piece = bench.cut(model, p, case.get("weights"))[rank]
+    from labkit import device
+    model = bench.make_model(case["model_seed"], case.get("layers", bench.LAYERS),
+                             case.get("hidden", bench.HIDDEN))
+    piece = bench.cut(model, p, case.get("weights"))[rank].to(device())
     tokens, targets = bench.microbatches(case["data_seed"], case["m"], case.get("b", 2),
                                          case.get("T", 6))
     mine = costs[rank] if isinstance(costs, (list, tuple)) else costs
     my_clock = clock_costs[rank] if isinstance(clock_costs, (list, tuple)) else clock_costs
-    result = run_actions(schedule[rank], piece, bench.activation_shape(tokens),
+    result = run_actions(schedule[rank], piece,
+                         bench.activation_shape(tokens, case.get("hidden", bench.HIDDEN)),
                          tokens if rank == 0 else None, targets if rank == p - 1 else None,
                          costs=mine, sends=sends, clock=clock, clock_costs=my_clock,
                          measure_memory=measure_memory)
     result["grads"] = piece.gradients()
     return result
+
+
+def pipeline_steps(runs: list, keep_grads: bool = False) -> list:
+    """On every rank: pipeline_step for each (schedule, case, options) of `runs`, one after the
+    other, with a barrier between steps so that each one's timeline starts from idle ranks.
+    One call for a whole sweep saves a round trip to the kernel per step. Returns one result per
+    run (without "grads" unless keep_grads)."""
+    out = []
+    for schedule, case, options in runs:
+        dist.barrier()
+        result = pipeline_step(schedule, case, **options)
+        if not keep_grads:
+            result.pop("grads")
+        out.append(result)
+    return out

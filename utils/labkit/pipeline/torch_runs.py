@@ -53,14 +53,17 @@ def torch_step(name: str, case: dict, v: int = 1, costs=None, mean_loss: bool = 
     if name != "Interleaved1F1B" and v != 1:
         raise ValueError(f"torch's {name} runs one chunk per rank: v must be 1, got {v}")
     m = case["m"]
-    model = bench.make_model(case["model_seed"], case.get("layers", bench.LAYERS))
+    from labkit import device
+    model = bench.make_model(case["model_seed"], case.get("layers", bench.LAYERS),
+                             case.get("hidden", bench.HIDDEN)).to(device())
     pieces = bench.cut(model, p * v)
     tokens, targets = bench.microbatches(case["data_seed"], m, case.get("b", 2), case.get("T", 6))
+    tokens, targets = tokens.to(device()), targets.to(device())
     N = bench.token_count(targets)
     events, stages = [], []
     for chunk in range(v):
         s = virtual_stage(rank, chunk, p)
-        stage = pipelining.PipelineStage(pieces[s], s, p * v, torch.device("cpu"))
+        stage = pipelining.PipelineStage(pieces[s], s, p * v, device())
         _recorded(stage, "forward_one_chunk", "F", chunk, events, costs)
         _recorded(stage, "backward_one_chunk", "B", chunk, events, costs)
         stages.append(stage)
