@@ -1,0 +1,471 @@
+"""Chapter 7 / lab 7: labkit.moe's formulas and references, the lab's reference answers used the
+way a training loop uses them, and the lab's checkers rejecting the wrong answers issue 17 names
+(a combine that loses the order, capacity that drops the wrong tokens, an EP layer that fails
+with an empty expert, an all-to-all padded to equal splits, FP8 without scales), on real ranks
+and through nbgrader's autograder."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit import checks as lab_checks
+from labkit import moe
+from labkit.moe import checks, ep, fp8
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab07_mixture_of_experts"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+FEW = settings(max_examples=12, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _answer_cells() -> dict:
+    """Every answer cell of the lab's solution notebook, executed in one namespace."""
+    import nbformat
+    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "moe": moe, "ep": ep, "fp8": fp8,
+                 "checks": checks, "__name__": "__main__"}
+    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution"):
+            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
+    return namespace
+
+
+REF = _answer_cells()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    labkit.shutdown_all()
+
+
+# ---- labkit.moe: routing, capacity, bytes, imbalance (one process) --------------------------------
+
+@FEW
+@given(st.integers(0, 10_000), st.integers(1, 40), st.integers(1, 9), st.data())
+def test_route_renormalises_over_k_and_the_bias_only_selects(seed, tokens, experts, data):
+    top_k = data.draw(st.integers(1, experts))
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float64)
+    weights, chosen = moe.route(logits, top_k)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, dtype=torch.float64))
+    assert torch.equal(chosen, logits.topk(top_k, dim=-1).indices)
+    bias = torch.linspace(-0.3, 0.3, experts, dtype=torch.float64)
+    biased_weights, biased = moe.route(logits, top_k, bias)
+    probs = logits.softmax(-1)
+    assert torch.equal(biased, (probs + bias).topk(top_k, dim=-1).indices)
+    picked = probs.gather(1, biased)
+    torch.testing.assert_close(biased_weights, picked / picked.sum(-1, keepdim=True))
+
+
+def test_route_and_capacity_reject_bad_arguments_with_the_values():
+    with pytest.raises(ValueError, match=r"between 1 and the number of experts \(4\), got 5"):
+        moe.route(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="capacity factor must be > 0, got 0"):
+        moe.capacity(10, 2, 4, 0)
+    with pytest.raises(ValueError, match="every expert has load 0"):
+        moe.imbalance([0, 0, 0])
+
+
+@FEW
+@given(st.integers(0, 100_000), st.integers(1, 8), st.integers(1, 512),
+       st.sampled_from([0.5, 1.0, 1.1, 1.25, 1.5, 2.0, 3.3]))
+def test_capacity_is_the_ceiling_of_n_k_over_e_times_the_factor(tokens, top_k, experts, factor):
+    cap = moe.capacity(tokens, top_k, experts, factor)
+    exact = tokens * top_k * factor / experts
+    assert cap - 1 < exact + 1e-6 and cap >= exact - 1e-6
+
+
+def test_capacity_examples_and_the_float_artefact():
+    assert moe.capacity(4096, 8, 256, 1.25) == 160
+    assert moe.capacity(1000, 2, 8, 1.1) == 275           # 1000 * 2 * 1.1 / 8 is 275.00000000000006
+    assert moe.capacity(64, 2, 4, 1.0) == 32
+
+
+def test_ep_bytes_formulas_and_the_deepseek_v3_figures():
+    assert moe.ep_bytes_per_rank(10, 2, 8, 4) == pytest.approx(4 * 3 / 4 * 2 * 10 * 8)
+    assert moe.ep_bytes_per_rank(10, 2, 8, 4, backward=True) == pytest.approx(8 * 3 / 4 * 2 * 10 * 8)
+    assert moe.ep_bytes_per_rank(10, 2, 8, 1, backward=True) == 0.0           # one rank: all local
+    v3 = moe.DEEPSEEK_V3
+    per_token = moe.ep_bytes_per_rank(1, v3["top_k"], v3["hidden"], 10 ** 12, backward=True)
+    assert per_token == pytest.approx(458_752, rel=1e-9)      # 8 K H; the source's 917.5 KB is 2x
+    assert fp8.row_bytes(7168) == 7168 + 4 * 56 and fp8.row_bytes(200, 64) == 216
+    assert fp8.ratio_to_bf16(512) == pytest.approx((512 + 16) / 1024)
+
+
+@FEW
+@given(st.integers(2, 6), st.integers(1, 4), st.integers(1, 64))
+def test_exchange_bytes_of_even_counts_is_the_even_formula(P, top_k, hidden):
+    tokens = P * 6
+    per_peer = tokens * top_k // P
+    counts = [[per_peer] * P for _ in range(P)]
+    exact = moe.exchange_bytes(counts, hidden, 2)
+    formula = moe.ep_bytes_per_rank(tokens, top_k, hidden, P)
+    assert [d + c for d, c in zip(exact["dispatch"], exact["combine"])] == [pytest.approx(formula)] * P
+
+
+@FEW
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=12).filter(lambda v: sum(v) > 0),
+       st.integers(1, 50), st.randoms(use_true_random=False))
+def test_imbalance_ignores_order_and_scale_and_meets_its_limits(load, factor, rng):
+    base = moe.imbalance(load)
+    shuffled = list(load)
+    rng.shuffle(shuffled)
+    for other in (moe.imbalance(shuffled), moe.imbalance([factor * n for n in load])):
+        for key in base:
+            assert other[key] == pytest.approx(base[key], rel=1e-9, abs=1e-12)
+    E = len(load)
+    assert 0 <= base["gini"] <= (E - 1) / E + 1e-12
+    assert 1 - 1e-12 <= base["max_over_mean"] <= E + 1e-12
+    assert base["cv"] <= math.sqrt(E - 1) + 1e-9
+
+
+def test_balanced_and_hot_logits_do_what_they_say():
+    _, chosen = moe.route(ep.balanced_logits(24, 6, 2, offset=1), 2)
+    assert torch.bincount(chosen.reshape(-1), minlength=6).tolist() == [8] * 6
+    _, chosen = moe.route(ep.hot_logits(2000, 4, hot_expert=2, share=0.6), 1)
+    assert 0.55 < (chosen == 2).float().mean().item() < 0.65
+
+
+# ---- task 1 and task 4a: the reference answers and the wrong ones, one process ------------------
+
+@FEW
+@given(st.integers(0, 10 ** 9), st.integers(1, 60), st.integers(1, 8), st.data())
+def test_reference_dispatch_passes_both_checks_for_any_shape(seed, tokens, experts, data):
+    top_k = data.draw(st.integers(1, experts), label="top_k")
+    factor = data.draw(st.sampled_from(checks.FACTORS), label="capacity factor")
+    dtype = data.draw(st.sampled_from(["float64", "float32"]), label="dtype")
+    plan = checks.check_dispatch_plan(REF["dispatch"], tokens, experts, top_k, factor, dtype=dtype,
+                                      seed=seed)
+    checks.check_dispatch_combine(REF["dispatch"], REF["combine"], tokens, experts, top_k, factor,
+                                  dtype=dtype, seed=seed)
+    assert int(plan["tokens_per_expert"].sum()) + int(plan["dropped"].sum()) == tokens * top_k
+    if factor is None:
+        assert not plan["dropped"].any()
+
+
+def test_dispatch_with_identical_tokens_keeps_either_of_a_tie():
+    x = torch.ones(6, 4, dtype=torch.float64)
+    logits = torch.tensor([[2.0, 1.0, 0.0]] * 6, dtype=torch.float64)      # every weight ties
+    plan = REF["dispatch"](x, logits, 1, 1.0)
+    assert plan["tokens_per_expert"].tolist() == [2, 0, 0] and int(plan["dropped"].sum()) == 4
+
+
+def _combine_lost_order(expert_output, plan):
+    n_tokens, top_k = plan["weights"].shape
+    rows = expert_output.new_zeros(n_tokens * top_k, expert_output.size(-1))
+    rows[:expert_output.size(0)] = expert_output          # packed order taken for token order
+    return (rows.view(n_tokens, top_k, -1) * plan["weights"].unsqueeze(-1).to(rows.dtype)).sum(1)
+
+
+def _dispatch_by_position(x, router_logits, top_k, capacity_factor=None):
+    n_tokens, n_experts = router_logits.shape
+    weights, chosen = moe.route(router_logits, top_k)
+    flat = chosen.reshape(-1)
+    queue = flat.argsort(stable=True)                      # token order within each expert
+    load = torch.bincount(flat, minlength=n_experts)
+    place = torch.arange(queue.numel()) - (torch.cumsum(load, 0) - load)[flat[queue]]
+    if capacity_factor is not None:
+        queue = queue[place < moe.capacity(n_tokens, top_k, n_experts, capacity_factor)]
+    dropped = torch.ones(n_tokens * top_k, dtype=torch.bool)
+    dropped[queue] = False
+    return {"packed": x[queue // top_k], "dropped": dropped.view(n_tokens, top_k),
+            "tokens_per_expert": torch.bincount(flat[queue], minlength=n_experts),
+            "queue": queue, "weights": weights}
+
+
+def test_checkers_reject_a_combine_that_loses_the_order_and_drops_by_position():
+    with pytest.raises(AssertionError, match="undo the sort"):
+        checks.check_dispatch_combine(REF["dispatch"], _combine_lost_order, seed=1)
+    with pytest.raises(AssertionError, match="lowest-weight assignments, not the last ones"):
+        checks.check_dispatch_plan(_dispatch_by_position, capacity_factor=1.0, seed=2)
+    # one cell grades one thing: combine honours whatever mask dispatch chose
+    checks.check_dispatch_combine(_dispatch_by_position, REF["combine"], seed=2)
+
+
+def _quantize_without_scales(x, block=128):
+    return x.float().to(torch.float8_e4m3fn).view(torch.uint8), torch.ones(x.size(0), fp8.blocks(x.size(1), block))
+
+
+def test_fp8_reference_meets_the_bound_and_unscaled_fp8_does_not():
+    for rows, hidden, block in [(12, 200, 64), (0, 16, 8), (3, 7, 4), (4, 256, 128)]:
+        checks.check_quantize(REF["quantize_e4m3"], REF["dequantize_e4m3"], rows, hidden, block, seed=3)
+    with pytest.raises(AssertionError, match="off by more than FP8 with per-block scales allows"):
+        checks.check_quantize(_quantize_without_scales, REF["dequantize_e4m3"], seed=3)
+
+
+@FEW
+@given(st.integers(0, 10 ** 6), st.integers(1, 300), st.sampled_from([4, 32, 128]),
+       st.floats(-6, 4))
+def test_fp8_error_bound_holds_over_magnitudes(seed, hidden, block, log_scale):
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(seed)) * 10 ** log_scale
+    x[0, : min(block, hidden)] = 0.0                                       # an all-zero block
+    payload, scales = REF["quantize_e4m3"](x, block)
+    restored = REF["dequantize_e4m3"](payload, scales, block)
+    assert bool(((restored - x).abs() <= fp8.error_bound(x, block)).all())
+
+
+# ---- task 2: the EP layer on real ranks ------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_reference_ep_layer_passes_every_check(size):
+    world = labkit.world(size, timeout=30)
+    checks.check_ep_layer(world, REF["ep_moe_layer"], experts_per_rank=2, top_k=2, seed=size)
+    if size >= 3:
+        checks.check_ep_layer(world, REF["ep_moe_layer"], experts_per_rank=3, top_k=3,
+                              empty_experts=[1, 4], seed=5)
+        checks.check_ep_layer(world, REF["ep_moe_layer"], idle_rank=True, no_tokens_rank=True,
+                              dtype="float32", seed=6)
+
+
+def _train_ep(case):
+    """On every rank: SGD steps of an EP layer, two microbatches accumulated per step; the router
+    frozen when case['freeze_router']. Returns the experts after each step."""
+    rank, P = dist.get_rank(), dist.get_world_size()
+    layer = case["layer"]
+    router = case["router"].clone().requires_grad_(not case["freeze_router"])
+    per_rank = case["experts"].size(0) // P
+    mine = case["experts"][rank * per_rank:(rank + 1) * per_rank].clone().requires_grad_(True)
+    history = []
+    for batch in case["batches"]:
+        for micro in batch[rank]:
+            y = layer(micro, router, mine, case["top_k"])
+            y.square().sum().backward()
+        with torch.no_grad():
+            if mine.grad is not None:                 # no row reached these experts this step
+                mine -= case["lr"] * mine.grad
+                mine.grad = None
+            if router.requires_grad:
+                dist.all_reduce(router.grad)            # the router is replicated: sum, then step
+                router -= case["lr"] * router.grad
+                router.grad = None
+        history.append((mine.detach().clone(), router.detach().clone()))
+    return history
+
+
+def _train_reference(case, P):
+    router = case["router"].clone().requires_grad_(not case["freeze_router"])
+    experts = case["experts"].clone().requires_grad_(True)
+    history = []
+    for batch in case["batches"]:
+        for rank in range(P):
+            for micro in batch[rank]:
+                ep.reference_layer(micro, router, experts, case["top_k"]).square().sum().backward()
+        with torch.no_grad():
+            experts -= case["lr"] * experts.grad
+            experts.grad = None
+            if router.requires_grad:
+                router -= case["lr"] * router.grad
+                router.grad = None
+        history.append((experts.detach().clone(), router.detach().clone()))
+    return history
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype,freeze_router", [(torch.float64, False), (torch.float32, True)])
+def test_reference_ep_layer_trains_like_one_process(dtype, freeze_router):
+    P, hidden, per_rank = 3, 8, 2
+    g = torch.Generator().manual_seed(7)
+    router, experts = ep.layer_weights(7, hidden, P * per_rank, dtype)
+    sizes = [[5, 0], [3, 4], [0, 6]]                    # microbatches per rank; some empty
+    batches = [[[torch.randn(n, hidden, generator=g, dtype=torch.float64).to(dtype) for n in sizes[r]]
+                for r in range(P)] for _ in range(3)]
+    case = {"layer": REF["ep_moe_layer"], "router": router, "experts": experts, "top_k": 2,
+            "batches": batches, "lr": 0.05, "freeze_router": freeze_router}
+    world = labkit.world(P, timeout=30, teaching=False)
+    histories = world.run(_train_ep, case)
+    reference = _train_reference(case, P)
+    tol = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    for step, (experts_ref, router_ref) in enumerate(reference):
+        for rank in range(P):
+            mine, router_now = histories[rank][step]
+            torch.testing.assert_close(mine, experts_ref[rank * per_rank:(rank + 1) * per_rank], **tol)
+            torch.testing.assert_close(router_now, router_ref, **tol)
+
+
+def _raise_then_run(share, layer):
+    x = share["x"].clone().requires_grad_(True)
+    return layer(x, share["router"], share["local_experts"], share["top_k"]).detach()
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_the_middle_of_a_step_leaves_the_next_call_right():
+    world = labkit.world(3, timeout=30, teaching=False)
+    case = lab_checks.Case("bad top_k", seed=8)
+    shares, _, _ = checks.ep_case(case, 3)
+    bad = [dict(share, top_k=99) for share in shares]   # every rank raises before communicating
+    with pytest.raises(labkit.RankError) as raised:
+        world.run_each(_raise_then_run, bad, REF["ep_moe_layer"], timeout=30)
+    assert sorted(raised.value.errors) == [0, 1, 2] and "top_k" in str(raised.value)
+    checks.check_ep_layer(world, REF["ep_moe_layer"], seed=9)
+
+
+def _ep_layer_grouped_by_unique(x, router, local_experts, top_k):
+    """Groups the received rows with torch.unique: an expert with no row shifts the later ones."""
+    P = dist.get_world_size()
+    n_local = local_experts.size(0)
+    weights, chosen = moe.route(x @ router, top_k)
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    per_expert = torch.bincount(flat, minlength=n_local * P)
+    incoming = torch.empty_like(per_expert)
+    dist.all_to_all_single(incoming, per_expert)
+    incoming = incoming.view(P, n_local)
+    send, recv = per_expert.view(P, n_local).sum(1).tolist(), incoming.sum(1).tolist()
+    received = ep.all_to_all(x[order // top_k], send, recv)
+    local = torch.arange(n_local).repeat(P).repeat_interleave(incoming.reshape(-1))
+    grouping = local.argsort(stable=True)
+    _, sizes = local.unique(return_counts=True)
+    out = torch.cat([rows @ local_experts[i]
+                     for i, rows in enumerate(received[grouping].split(sizes.tolist()))])
+    back = ep.all_to_all(out[grouping.argsort()], recv, send)[order.argsort()]
+    return (back.view(x.size(0), top_k, x.size(1)) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+
+
+def _ep_layer_padded(x, router, local_experts, top_k):
+    """Right values, but every split padded to the largest count (equal splits)."""
+    P = dist.get_world_size()
+    n_local, hidden = local_experts.size(0), x.size(1)
+    weights, chosen = moe.route(x @ router, top_k)
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    per_expert = torch.bincount(flat, minlength=n_local * P)
+    incoming = torch.empty_like(per_expert)
+    dist.all_to_all_single(incoming, per_expert)
+    incoming = incoming.view(P, n_local)
+    send, recv = per_expert.view(P, n_local).sum(1).tolist(), incoming.sum(1).tolist()
+    width = torch.tensor([max(send + recv)])
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    width = int(width)
+
+    def exchange(rows, out_counts, in_counts):
+        padded = torch.cat([torch.cat([p, p.new_zeros(width - p.size(0), hidden)])
+                            for p in rows.split(out_counts)])
+        got = ep.all_to_all(padded, [width] * P, [width] * P)
+        return torch.cat([got[q * width:q * width + in_counts[q]] for q in range(P)])
+
+    received = exchange(x[order // top_k], send, recv)
+    local = torch.arange(n_local).repeat(P).repeat_interleave(incoming.reshape(-1))
+    grouping = local.argsort(stable=True)
+    sizes = torch.bincount(local, minlength=n_local).tolist()
+    out = torch.cat([rows @ local_experts[i]
+                     for i, rows in enumerate(received[grouping].split(sizes))])
+    back = exchange(out[grouping.argsort()], recv, send)[order.argsort()]
+    return (back.view(x.size(0), top_k, x.size(1)) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+
+
+@pytest.mark.timeout(180)
+def test_checkers_reject_an_empty_expert_bug_and_padded_splits():
+    world = labkit.world(3, timeout=30, teaching=False)
+    checks.check_ep_layer(world, _ep_layer_grouped_by_unique, seed=10)     # fine while no expert is empty
+    with pytest.raises(AssertionError, match=r"experts \[1, 4\] get no row at all"):
+        checks.check_ep_layer(world, _ep_layer_grouped_by_unique, experts_per_rank=3,
+                              empty_experts=[1, 4], seed=11)
+    with pytest.raises(labkit.RankError, match="non-empty list of Tensors"):
+        checks.check_ep_layer(world, _ep_layer_grouped_by_unique, idle_rank=True, seed=12)
+    checks.check_ep_layer(world, _ep_layer_padded, idle_rank=True, no_tokens_rank=True,
+                          seed=13)                                          # its values are right
+    checks.check_ep_traffic(world, REF["ep_moe_layer"], seed=14)
+    with pytest.raises(AssertionError, match="never pad every split to the largest one"):
+        checks.check_ep_traffic(world, _ep_layer_padded, seed=14)
+
+
+# ---- task 3 and task 4b on real ranks ----------------------------------------------------------------
+
+def _balance_from_local_batch(router_logits, top_k, bias, alpha, gamma):
+    n_local, n_experts = router_logits.shape
+    _, chosen = moe.route(router_logits.detach(), top_k, bias)
+    load = torch.bincount(chosen.reshape(-1), minlength=n_experts)
+    f = load.double() / (top_k * max(n_local, 1))
+    aux = alpha * n_experts * (f * router_logits.softmax(-1).mean(0)).sum()
+    return {"aux_loss": aux, "aux_value": aux.item(), "load": load, "imbalance": {},
+            "bias": bias + gamma * torch.sign(load.double().mean() - load.double())}
+
+
+@pytest.mark.timeout(120)
+def test_balance_reference_passes_and_a_per_rank_balance_fails():
+    world = labkit.world(3, timeout=30, teaching=False)
+    checks.check_balance_step(world, REF["balance_step"], seed=15)
+    checks.check_balance_step(world, REF["balance_step"], tokens=[0, 7, 0], top_k=3, seed=16)
+    checks.check_balance_refuses_empty_batch(world, REF["balance_step"])
+    with pytest.raises(AssertionError, match="the load is the global one"):
+        checks.check_balance_step(world, _balance_from_local_batch, seed=15)
+
+
+def _fp8_dispatch_without_scales(rows, send_counts, block=128):
+    recv = ep.exchange_counts(send_counts)
+    payload = rows.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    return ep.all_to_all(payload, send_counts, recv).view(torch.float8_e4m3fn).float()
+
+
+def _fp8_dispatch_in_bf16(rows, send_counts, block=128):
+    recv = ep.exchange_counts(send_counts)
+    return ep.all_to_all(rows.bfloat16(), send_counts, recv).float()
+
+
+@pytest.mark.timeout(120)
+def test_fp8_dispatch_reference_passes_and_unscaled_or_bf16_fails():
+    world = labkit.world(3, timeout=30, teaching=False)
+    checks.check_fp8_dispatch(world, REF["fp8_dispatch"], seed=17)
+    with pytest.raises(AssertionError, match="off by more than FP8"):
+        checks.check_fp8_dispatch(world, _fp8_dispatch_without_scales, seed=17)
+    with pytest.raises(AssertionError, match="BF16 would be two bytes per value"):
+        checks.check_fp8_dispatch(world, _fp8_dispatch_in_bf16, seed=17)
+
+
+# ---- autograding: the hidden tests take the points of the wrong answers ---------------------------
+
+def _autograde_module():
+    spec = importlib.util.spec_from_file_location("_autograde", ROOT / "tests" / "test_autograde.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRONG_ANSWERS = {   # grade_id of the answer cell: a wrong answer (from this file's wrong functions)
+    "task1_dispatch_combine": ["_dispatch_by_position", "_combine_lost_order"],
+    "task2_ep_moe_layer": ["_ep_layer_padded"],
+    "task3_balance_step": ["_balance_from_local_batch"],
+}
+LOST = {"test_task1_dropped": 2, "test_task1_combine": 2, "test_task2_bytes": 2,
+        "test_task3_balance": 3, "test_task4_quantize": 1, "test_task4_dispatch": 2}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
+def test_hidden_tests_take_the_points_of_the_wrong_answers(tmp_path):
+    import inspect
+    import nbformat
+    grading = _autograde_module()
+    notebook = nbformat.read(str(SOLUTION), as_version=4)
+    names = {"dispatch": "_dispatch_by_position", "combine": "_combine_lost_order",
+             "ep_moe_layer": "_ep_layer_padded", "balance_step": "_balance_from_local_batch"}
+    sources = {}
+    for grade_id, wrong in WRONG_ANSWERS.items():
+        text = "\n\n".join(inspect.getsource(globals()[name]) for name in wrong)
+        for right, name in names.items():
+            text = text.replace(f"def {name}(", f"def {right}(")
+        sources[grade_id] = text
+    sources["task4_fp8"] = next(c.source for c in notebook.cells
+                                if c.metadata.get("nbgrader", {}).get("grade_id") == "task4_fp8")
+    sources["task4_fp8"] = sources["task4_fp8"].replace(
+        "largest / fp8.MAX, torch.ones_like(largest)", "torch.ones_like(largest), torch.ones_like(largest)")
+    for cell in notebook.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in sources:
+            cell.source = sources[grade_id]
+    (tmp_path / "wrong").mkdir()
+    wrong_path = tmp_path / "wrong" / SOLUTION.name
+    nbformat.write(notebook, str(wrong_path))
+    scores = grading.autograde(tmp_path / "course", LAB, {"wrong": wrong_path})
+    score, max_score = scores["wrong"]
+    assert score == max_score - sum(LOST.values()), (
+        f"the wrong answers scored {score} of {max_score}; expected to lose exactly "
+        f"{sum(LOST.values())} points ({LOST})")
