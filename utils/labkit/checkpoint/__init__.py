@@ -1,0 +1,31 @@
+"""Chapter 8: checkpoints that survive crashes, resume exactly, and do not stall training.
+
+    from labkit import checkpoint
+    from labkit.checkpoint import store, crash, layout      # no torch: quick to import anywhere
+
+| module | what | course section |
+|---|---|---|
+| `layout` | snapshot ids, paths, the manifest format, SHA-256, `CheckpointError` | 1 |
+| `store` | write_shard / commit / verify / load_latest: atomic publication on a POSIX folder | 1, 2, 3; ch. 9 |
+| `crash` | crash trials: a lean helper forks victims and SIGKILLs them at chosen points | 1, 2, 3 |
+| `bench` | the training bench: model, AdamW, scheduler, scaler, RNGs, data cursor, hashes | 4, 5 |
+| `resume` | capture / restore of the bench's full state (replicated trainer) | 4; ch. 9 |
+| `zero` | the ZeRO-1 layout: flat buffer, per-rank ranges, global shapes and offsets | 5 |
+| `interval` | Young's and Daly's intervals, the waste model, a Monte-Carlo failure simulator | 7 |
+| `checks` | lab 8's checkers | lab 8 |
+
+Lab 8 asks for commit/verify/load-latest (per-rank folders) and for a sharded resume: while its
+checkers run a student's code, `store` and `resume` refuse to run (see `_guard.py`).
+"""
+from labkit.checkpoint.layout import (CheckpointError, check_name, manifest_path,  # noqa: F401
+                                      published_ids, sha256_bytes, sha256_file, shard_folder,
+                                      snapshot_id)
+
+_SUBMODULES = ("layout", "store", "crash", "bench", "resume", "zero", "interval", "checks")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"labkit.checkpoint.{name}")
+    raise AttributeError(f"module 'labkit.checkpoint' has no attribute {name!r}")
