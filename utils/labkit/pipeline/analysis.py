@@ -107,8 +107,8 @@ def validate(schedule, m: int, v: int | None = None) -> list:
                 if has["B"] and (has["I"] or has["W"]):
                     problems.append(f"stage {rank}: {name} has both B and I/W")
                 elif not has["B"] and not (has["I"] and has["W"]):
-                    missing = "a backward (B, or I and W)" if not (has["I"] or has["W"]) else \
-                        ("its W" if has["I"] else "its I")
+                    missing = "backward (B, or I and W)" if not (has["I"] or has["W"]) else \
+                        ("W for its I" if has["I"] else "I for its W")
                     problems.append(f"stage {rank}: {name} has no {missing}")
     return problems
 

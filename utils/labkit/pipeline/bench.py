@@ -31,17 +31,40 @@ def make_model(seed: int = 0, layers: int = LAYERS, hidden: int = HIDDEN,
 
 
 class Piece(nn.Module):
-    """Consecutive layers of a TinyLM: the model's embedding, blocks and head, in order, or a
-    run of them. Holds the model's own parameter objects; `names` maps them back to the model."""
+    """Consecutive layers of a TinyLM (its embedding, blocks and head, in order, or a run of them):
+    one pipeline stage's share of the model. `names` maps each parameter to its name in the
+    whole model ("blocks.3.weight"), so the stages' gradients can be put side by side with one
+    process's."""
 
-    def __init__(self, model: dp.TinyLM, first: int, last: int):
+    def __init__(self, layers: list):
         super().__init__()
-        layers = _layers(model)[first:last]
         self.embed = next((m for name, m in layers if name == "embed"), None)
         self.blocks = nn.ModuleList(m for name, m in layers if name.startswith("blocks."))
         self.head = next((m for name, m in layers if name == "head"), None)
         self.names = {id(p): f"{name}.{pname}" for name, module in layers
                       for pname, p in module.named_parameters()}
+
+    @classmethod
+    def from_weights(cls, weights: dict) -> "Piece":
+        """A piece with fresh modules holding copies of `weights` ({name in the model: tensor},
+        as `weights_of` gives): what a rank builds from the share of the model it was sent."""
+        layers = {}
+        for name, tensor in weights.items():
+            layer, _, what = name.rpartition(".")
+            layers.setdefault(layer, {})[what] = tensor
+        built = []
+        for layer in sorted(layers, key=_layer_order):
+            held = layers[layer]
+            if layer == "embed":
+                module = nn.Embedding(*held["weight"].shape, dtype=held["weight"].dtype)
+            else:
+                out_features, in_features = held["weight"].shape
+                module = nn.Linear(in_features, out_features, dtype=held["weight"].dtype)
+            with torch.no_grad():
+                for what, tensor in held.items():
+                    getattr(module, what).copy_(tensor)
+            built.append((layer, module))
+        return cls(built)
 
     def forward(self, x):
         if self.embed is not None:
@@ -56,6 +79,18 @@ class Piece(nn.Module):
         """{model parameter name: gradient on CPU} (zeros where backward left none)."""
         return {self.names[id(p)]: (p.grad if p.grad is not None else torch.zeros_like(p))
                 .detach().cpu().clone() for p in self.parameters()}
+
+    def weights(self) -> dict:
+        """{model parameter name: a copy of the weight on CPU}."""
+        return {self.names[id(p)]: p.detach().cpu().clone() for p in self.parameters()}
+
+
+def _layer_order(layer: str):
+    if layer == "embed":
+        return (0, 0)
+    if layer == "head":
+        return (2, 0)
+    return (1, int(layer.split(".")[1]))
 
 
 def _layers(model):
@@ -90,7 +125,8 @@ def bounds(n_layers: int, S: int, weights=None) -> list:
 def cut(model: dp.TinyLM, S: int, weights=None) -> list:
     """The model as S pieces, virtual stage s = pieces[s], in layer order."""
     edges = bounds(len(_layers(model)), S, weights)
-    return [Piece(model, edges[s], edges[s + 1]) for s in range(S)]
+    layers = _layers(model)
+    return [Piece(layers[edges[s]:edges[s + 1]]) for s in range(S)]
 
 
 def microbatches(seed: int = 1, m: int = 4, b: int = 2, T: int = 6, min_len: int = 1):

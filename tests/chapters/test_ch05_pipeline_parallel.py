@@ -1,0 +1,324 @@
+"""Chapter 5 / lab 5: schedules as data (labkit.pipeline), the reference executor on real ranks,
+the lab's reference answers used as a library, and the lab's checkers rejecting the wrong answers
+the issue names, each in the task it belongs to."""
+import math
+import random
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit import checks, pipeline
+from labkit.pipeline import Action, checks as lab_checks
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab05_pipeline_parallel"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+FEW = settings(max_examples=25, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _reference(grade_id, *names):
+    """Functions from an answer cell of the lab's solution notebook (instructor side)."""
+    import nbformat
+    cell = next(c for c in nbformat.read(str(SOLUTION), as_version=4).cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "pipeline": pipeline,
+                 "Action": Action, "__name__": "__main__"}
+    exec(compile(cell.source, f"{SOLUTION.name}:{grade_id}", "exec"), namespace)
+    found = [namespace[name] for name in names]
+    return found[0] if len(found) == 1 else found
+
+
+one_f_one_b = _reference("task1_one_f_one_b", "one_f_one_b")
+find_deadlock = _reference("task2_find_deadlock", "find_deadlock")
+run_pipeline = _reference("task3_run_pipeline", "run_pipeline")
+timeline, bubble_fraction = _reference("task4_timeline", "timeline", "bubble_fraction")
+
+CROSSED = pipeline.parse("F0 F1 F2 B0 B1 B2\nF0 F1 B0 F2 B1 B2\nF0 B0 F1 B1 F2 B2\nF1 B1 F0 B0 F2 B2")
+
+
+# ---- schedules as data ------------------------------------------------------------------------
+
+@FEW
+@given(st.integers(1, 5), st.integers(1, 8))
+def test_gpipe_and_torch_1f1b_bubble_is_the_formula_exactly(p, m):
+    report = pipeline.check_schedule(pipeline.gpipe(p, m), m)
+    assert report.ok and report.bubble == (pipeline.bubble_formula(p, m) if p > 1 else 0)
+    assert report.peak_alive == [m] * p
+    if m >= p:
+        report = pipeline.check_schedule(pipeline.torch_schedule("1F1B", p, m), m)
+        assert report.ok and report.bubble == (pipeline.bubble_formula(p, m) if p > 1 else 0)
+        assert report.peak_alive == [p - k for k in range(p)]
+
+
+@FEW
+@given(st.integers(2, 5), st.integers(1, 3), st.integers(2, 3))
+def test_interleaved_bubble_is_over_v_and_equals_torch_order(p, rounds, v):
+    m = rounds * p
+    ours = pipeline.interleaved_1f1b(p, m, v)
+    report = pipeline.check_schedule(ours, m)
+    assert report.ok and not report.link_order
+    assert report.bubble == pipeline.bubble_formula(p, m, v)
+    assert report.bubble / (1 - report.bubble) == pipeline.bubble_ratio_formula(p, m, v)
+    if m > p:                     # Megatron's m = p case runs all forwards first; torch's does not
+        assert ours == pipeline.torch_schedule("Interleaved1F1B", p, m, v)
+
+
+@FEW
+@given(st.integers(2, 5), st.integers(0, 6))
+def test_zero_bubble_idles_p_minus_1_with_at_most_p_alive(p, extra):
+    m = p + extra
+    schedule = pipeline.zero_bubble(pipeline.torch_schedule("1F1B", p, m), m)
+    report = pipeline.check_schedule(schedule, m)
+    assert report.ok
+    assert [report.makespan - busy for busy in report.busy] == [p - 1] * p
+    assert max(report.peak_alive) <= p
+
+
+def test_blocking_sends_deadlock_1f1b_not_gpipe():
+    for p in (2, 3, 4):
+        for m in (p, 2 * p):
+            assert pipeline.check_schedule(pipeline.gpipe(p, m), m).blocking_deadlock is None
+            stuck = pipeline.check_schedule(pipeline.torch_schedule("1F1B", p, m), m).blocking_deadlock
+            assert stuck is not None and "send of the" in str(stuck)
+
+
+def test_checker_names_what_is_wrong():
+    assert pipeline.validate(pipeline.parse("F0 F0 B0\nF0 B0"), 1) == ["stage 0: F0 appears 2 times"]
+    problems = pipeline.validate(pipeline.parse("F0 F1 B0\nF0 F1 B0 B1 I1"), 2)
+    assert "stage 0: microbatch 1 has no backward (B, or I and W)" in problems
+    assert any("both B and I/W" in p for p in problems)
+    assert any("outside the step" in p for p in pipeline.validate(pipeline.parse("F0 F3 B0 B3"), 2))
+    report = pipeline.check_schedule(CROSSED, 3)
+    assert not report.problems and report.deadlock.stuck == {
+        0: Action("B", 0), 1: Action("B", 0), 2: Action("B", 0), 3: Action("F", 1)}
+    assert report.bubble is None and "deadlock" in str(report)
+    with pytest.raises(ValueError, match="cannot finish"):
+        report.raise_if_not_ok()
+
+
+def test_actions_parse_print_and_refuse_nonsense():
+    assert pipeline.action("F3.1") == Action("F", 3, 1) == pipeline.action(("F", 3, 1))
+    assert pipeline.action(["B", 2]) == Action("B", 2, 0) and str(Action("W", 4, 2)) == "W4.2"
+    for bad in ("X1", ("F", -1), ("F", 1.0), ("F", True), "F", 7):
+        with pytest.raises(ValueError, match="not an action"):
+            pipeline.action(bad)
+    schedule = pipeline.interleaved_1f1b(2, 4, 2)
+    text = pipeline.format_schedule(schedule, width=6).replace("stage 0: ", "").replace("stage 1: ", "")
+    assert pipeline.parse(text) == schedule
+    with pytest.raises(ValueError, match="multiple of p"):
+        pipeline.interleaved_1f1b(3, 4, 2)
+    with pytest.raises(ValueError, match="lab 5, task 1"):
+        pipeline.interleaved_1f1b(3, 6, 1)
+
+
+def test_torch_published_1f1b_table_is_off_by_one_on_the_last_stage():
+    """torch 2.13's Schedule1F1B.pipeline_order skips F0 and adds F(m) on the last stage (the
+    course says so). If torch fixes it, update chapter 5's section 2."""
+    problems = pipeline.check_schedule(pipeline.torch_pipeline_order("1F1B", 3, 4), 4).problems
+    assert problems == ["stage 2: F4 is outside the step (microbatches 0..3, chunks 0..0)",
+                        "stage 2: no forward of microbatch 0"]
+    assert pipeline.check_schedule(pipeline.torch_pipeline_order("GPipe", 3, 4), 4).ok
+
+
+@FEW
+@given(st.integers(1, 5), st.integers(1, 7), st.lists(st.integers(1, 9), min_size=10, max_size=10),
+       st.integers(0, 4))
+def test_gpipe_bubble_closed_form_matches_the_reference_timeline(p, m, raw, lag):
+    costs = [{"F": Fraction(raw[k]), "B": Fraction(raw[k + 5])} for k in range(p)]
+    latency = Fraction(lag, 3)
+    got = bubble_fraction(pipeline.gpipe(p, m), m, costs, latency)
+    assert math.isclose(float(got), lab_checks.gpipe_bubble(costs, m, latency), abs_tol=1e-12)
+
+
+# ---- the lab's reference answers, as a library -------------------------------------------------
+
+def test_reference_1f1b_matches_torch_where_torch_agrees_and_holds_for_m_below_p():
+    for p in range(1, 7):
+        for m in range(1, 11):
+            report = lab_checks.check_one_f_one_b(one_f_one_b, p, m)
+            if m >= p:
+                assert pipeline.normalise(one_f_one_b(p, m)) == pipeline.torch_schedule("1F1B", p, m)
+            assert report.peak_alive == [min(m, p - k) for k in range(p)]
+
+
+def test_reference_deadlock_finder_on_variants_of_every_schedule():
+    case = checks.Case("ch05 test: deadlocking variants", seed=5)
+    assert find_deadlock(CROSSED, 3) == [(2, Action("B", 0), 3, Action("B", 0)),
+                                         (3, Action("F", 1), 2, Action("F", 1))]
+    found = 0
+    for p in (2, 3, 4):
+        m = 2 * p
+        for base in (pipeline.gpipe(p, m), pipeline.interleaved_1f1b(p, m, 2),
+                     pipeline.torch_schedule("Interleaved1F1B", p, m, 3),
+                     pipeline.zero_bubble(pipeline.torch_schedule("1F1B", p, m), m)):
+            lab_checks.check_finds_no_deadlock(find_deadlock, base, m)
+            for bad in lab_checks.deadlocking_variants(case, base, m, count=3):
+                lab_checks.check_finds_cycle(find_deadlock, bad, m)
+                found += 1
+    assert found >= 30
+
+
+def test_reference_timeline_with_every_kind_of_schedule():
+    rng = random.Random(0)
+    for p in (1, 2, 3):
+        for m in (1, p + 1):
+            costs = [{kind: rng.randint(1, 8) / 4 for kind in "FBIW"} for _ in range(p)]
+            for schedule in (pipeline.gpipe(p, m), one_f_one_b(p, m),
+                             pipeline.zero_bubble(one_f_one_b(p, m), m)):
+                lab_checks.check_timeline(timeline, schedule, m, costs, 0.375)
+    unit = [{"F": 1.0, "B": 2.0}] * 3
+    assert timeline(pipeline.gpipe(3, 2), 2, unit)[2] == [(2.0, 3.0), (3.0, 4.0), (4.0, 6.0),
+                                                          (6.0, 8.0)]
+
+
+# ---- the lab's checkers reject the wrong answers the issue names -------------------------------
+
+def deadlocks_for_4_3(p, m):
+    """Right everywhere except p = 4, m = 3, where neighbours disagree on the microbatch order."""
+    return CROSSED if (p, m) == (4, 3) else one_f_one_b(p, m)
+
+
+def one_more_warmup(p, m):
+    """Stage k runs p - k forwards before its first backward: p + 1 alive on stage 0."""
+    schedule = []
+    for k in range(p):
+        warmup = min(p - k, m)
+        actions = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [("F", warmup + i), ("B", i)]
+        schedule.append(actions + [("B", i) for i in range(m - warmup, m)])
+    return schedule
+
+
+def test_task1_checkers_reject_a_deadlock_at_4_3_and_too_much_memory():
+    with pytest.raises(AssertionError, match="one_f_one_b\\(4, 3\\) cannot finish"):
+        lab_checks.check_generator(deadlocks_for_4_3, 4, 3)
+    lab_checks.check_generator(one_more_warmup, 4, 8)                 # complete, finishes ...
+    with pytest.raises(AssertionError, match="stage 0 holds 5 microbatches"):
+        lab_checks.check_one_f_one_b(one_more_warmup, 4, 8)            # ... but holds p + 1
+    with pytest.raises(AssertionError, match="holds 8 microbatches"):
+        lab_checks.check_one_f_one_b(lambda p, m: pipeline.gpipe(p, m), 4, 8)
+    with pytest.raises(AssertionError, match="did not return a schedule"):
+        lab_checks.check_generator(lambda p, m: [["F0", "Q1"]] * p, 2, 1)
+
+
+def _blocked_placement_finder():
+    """The reference finder with the blocked placement (stage k holds virtual stages k v .. k v +
+    v - 1) instead of the looped one: a finder that rejects valid interleaved schedules."""
+    import nbformat
+    source = next(c.source for c in nbformat.read(str(SOLUTION), as_version=4).cells
+                  if c.metadata.get("nbgrader", {}).get("grade_id") == "task2_find_deadlock")
+    swaps = [("s = a.chunk * p + k", "s = k * v + a.chunk"),
+             ("[((s - 1) % p, Action(\"F\", a.microbatch, (s - 1) // p))]",
+              "[((s - 1) // v, Action(\"F\", a.microbatch, (s - 1) % v))]"),
+             ("q, c = (s + 1) % p, (s + 1) // p", "q, c = (s + 1) // v, (s + 1) % v")]
+    for old, new in swaps:
+        assert old in source, f"the solution changed: {old!r} is gone; update this test"
+        source = source.replace(old, new)
+    namespace = {"pipeline": pipeline, "Action": Action}
+    exec(source, namespace)
+    return namespace["find_deadlock"]
+
+
+def test_task2_checkers_reject_a_finder_that_accepts_everything_or_fears_interleaving():
+    with pytest.raises(AssertionError, match="returned None, but the schedule deadlocks"):
+        lab_checks.check_finds_cycle(lambda schedule, m: None, CROSSED, 3)
+
+    blocked = _blocked_placement_finder()          # chunk c of stage k taken as virtual stage k v + c
+    lab_checks.check_finds_no_deadlock(blocked, pipeline.gpipe(3, 4), 4)         # v = 1: the same
+    with pytest.raises(AssertionError, match="but every stage finishes"):
+        lab_checks.check_finds_no_deadlock(blocked, pipeline.interleaved_1f1b(2, 4, 2), 4)
+    wrong_turn = lambda schedule, m: [(3, ("F", 1, 0), 2, ("F", 1, 0))]   # not closed
+    with pytest.raises(AssertionError, match="close a cycle"):
+        lab_checks.check_finds_cycle(wrong_turn, CROSSED, 3)
+    path_not_cycle = lambda schedule, m: [(1, ("B", 0, 0), 2, ("B", 0, 0))] + find_deadlock(CROSSED, 3)
+    with pytest.raises(AssertionError):
+        lab_checks.check_finds_cycle(path_not_cycle, CROSSED, 3)
+    lying = lambda schedule, m: [(2, ("B", 0, 0), 3, ("F", 1, 0)), (3, ("F", 1, 0), 2, ("F", 1, 0))]
+    with pytest.raises(AssertionError, match="needs"):
+        lab_checks.check_finds_cycle(lying, CROSSED, 3)
+
+
+def test_task4_checkers_reject_a_timeline_without_latency_and_a_wrong_bubble():
+    costs = [{"F": 1.0, "B": 2.0}, {"F": 2.0, "B": 3.0}, {"F": 1.0, "B": 2.5}]
+    no_latency = lambda schedule, m, c, latency: timeline(schedule, m, c, 0.0)
+    with pytest.raises(AssertionError, match="starts as soon as it can"):
+        lab_checks.check_timeline(no_latency, one_f_one_b(3, 4), 4, costs, 0.5)
+    equal = [{"F": 1.0, "B": 2.0}] * 4
+    busy_over_work = lambda schedule, m, c, latency: (3 / 11) * 0.9
+    with pytest.raises(AssertionError, match="expected 0.272727"):
+        lab_checks.check_bubble(busy_over_work, pipeline.gpipe(4, 8), 8, equal, 0.0,
+                                float(pipeline.bubble_formula(4, 8)))
+
+
+# ---- on real ranks: the reference executor, the lab's executor, and wrong executors ------------
+
+@pytest.fixture(scope="module")
+def world3():
+    yield labkit.world(3, timeout=60)
+    labkit.shutdown_all()
+
+
+def _gathered(results):
+    grads = {}
+    for result in results:
+        grads.update(result["grads"])
+    return grads
+
+
+@pytest.mark.timeout(120)
+def test_reference_executor_exact_for_every_schedule_and_memory_as_the_schedule_says(world3):
+    for m in (1, 3, 5):
+        case = {"model_seed": 3, "data_seed": 4, "m": m}
+        tokens, targets = pipeline.microbatches(4, m)
+        reference = pipeline.reference_gradients(3, tokens, targets)
+        one = one_f_one_b(3, m)
+        for schedule in (pipeline.gpipe(3, m), one, pipeline.zero_bubble(one, m)):
+            results = world3.call(pipeline.pipeline_step, args=(schedule, case),
+                                  kwargs={"measure_memory": True, "clock": True}, timeout=60)
+            checks.check(_gathered(results), reference, "pipeline gradients", rtol=1e-9, atol=1e-12)
+            alive = [r["peak_bytes"] / r["bytes_after_first_forward"] for r in results]
+            assert alive == pipeline.check_schedule(schedule, m).peak_alive
+            virtual = pipeline.measured_bubble(results, clock="virtual")
+            assert virtual == pytest.approx(float(pipeline.check_schedule(schedule, m).bubble or 0))
+
+
+def mean_per_microbatch(actions, chunks, activation_shape, tokens=None, targets=None):
+    """The habit: each microbatch's own mean loss, never divided by m (off by about m)."""
+    original = pipeline.bench.loss_sum
+
+    def per_microbatch_mean(logits, y):
+        total, count = original(logits, y)
+        return total / count * pipeline.token_count(targets), count
+    pipeline.bench.loss_sum = per_microbatch_mean
+    try:
+        return run_pipeline(actions, chunks, activation_shape, tokens, targets)
+    finally:
+        pipeline.bench.loss_sum = original
+
+
+def gathers_everything(actions, chunks, activation_shape, tokens=None, targets=None):
+    """Right gradients, wrong messages: every rank also all_gathers 1000 numbers."""
+    extra = torch.zeros(1000, dtype=torch.float64)
+    dist.all_gather([torch.empty_like(extra) for _ in range(dist.get_world_size())], extra)
+    return run_pipeline(actions, chunks, activation_shape, tokens, targets)
+
+
+@pytest.mark.timeout(120)
+def test_lab_executor_passes_and_wrong_executors_fail_their_own_checks(world3):
+    for schedule, m, v in (("GPipe", 2, 1), ("interleaved", 3, 2), ("interleaved", 3, 3)):
+        lab_checks.check_executor(world3, run_pipeline, schedule, m, v)
+    lab_checks.check_executor_traffic(world3, run_pipeline, "interleaved", 3, 2)
+    with pytest.raises(AssertionError, match="about m = 4 times too large"):
+        lab_checks.check_executor(world3, mean_per_microbatch, "1F1B", 4, 1)
+    lab_checks.check_executor(world3, gathers_everything, "interleaved", 3, 2)   # values right
+    with pytest.raises(AssertionError, match="traffic between ranks is not what"):
+        lab_checks.check_executor_traffic(world3, gathers_everything, "interleaved", 3, 2)
+    with pytest.raises(labkit.RankError, match="task 3"):
+        lab_checks.check_executor(world3, pipeline.run_actions, "interleaved", 3, 2)

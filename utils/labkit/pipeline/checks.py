@@ -1,0 +1,396 @@
+"""Checkers of lab 5 (`labs/lab05_pipeline_parallel/`); tests/chapters/test_ch05 calls the same.
+
+    check_generator(one_f_one_b, p, m)              # task 1: complete and deadlock-free
+    check_one_f_one_b(one_f_one_b, p, m)            # task 1: 1F1B's memory bound, GPipe's bubble
+    check_finds_no_deadlock(find_deadlock, schedule, m)
+    check_finds_cycle(find_deadlock, schedule, m)   # task 2: the cycle is verified, wait by wait
+    check_executor(world, run_pipeline, "interleaved", m=4, v=2)           # task 3: gradients
+    check_executor_traffic(world, run_pipeline, "interleaved", m=4, v=2)   # task 3: messages
+    check_timeline(timeline, schedule, m, costs, latency)                  # task 4
+    check_bubble(bubble_fraction, schedule, m, costs, latency, expected)   # task 4
+
+None of these computes an answer of the lab. Task 2's cycle and task 4's timeline are verified
+claim by claim (each wait is a real wait of a stopped stage; each start time is the moment the
+action's stage and inputs were ready), from the dependency rules of labkit.pipeline.analysis.
+Task 3 compares with one process on the whole batch and counts the messages from outside the
+ranks. Schedules handed to student code are plain lists of (kind, microbatch, chunk) tuples.
+"""
+from __future__ import annotations
+
+import math
+
+from labkit import checks
+from labkit.pipeline import analysis, bench, schedules
+from labkit.pipeline.schedules import Action, normalise
+
+TOLERANCE = 1e-9           # task 4: times are sums of the given costs; floats add them to ~1e-15
+
+
+def plain_schedule(schedule) -> list:
+    """A schedule as plain lists of (kind, microbatch, chunk) tuples: what student code gets."""
+    return [[tuple(a) for a in actions] for actions in normalise(schedule)]
+
+
+def _returned_schedule(value, what: str, p: int) -> list:
+    try:
+        schedule = normalise(value)
+    except ValueError as error:
+        raise AssertionError(f"{what} did not return a schedule: {error}") from None
+    if len(schedule) != p:
+        raise AssertionError(f"{what} returned {len(schedule)} stages, expected p = {p}: one list "
+                             "of actions per stage")
+    return schedule
+
+
+# ---- task 1: a 1F1B generator ------------------------------------------------------------------
+
+def check_generator(generator, p: int, m: int) -> list:
+    """generator(p, m) is complete (each stage: F i and B i once for every i) and deadlock-free."""
+    what = f"one_f_one_b({p}, {m})"
+    schedule = _returned_schedule(generator(p, m), what, p)
+    odd = [f"stage {k}: {a}" for k, actions in enumerate(schedule) for a in actions
+           if a.kind not in "FB" or a.chunk]
+    if odd:
+        raise AssertionError(f"{what}: 1F1B uses F and B on one chunk per stage, got {odd[:3]}")
+    report = analysis.check_schedule(schedule, m)
+    if report.problems:
+        raise AssertionError(f"{what} is incomplete: {'; '.join(report.problems[:3])}. Every stage "
+                             f"runs F i and B i exactly once for each microbatch i in 0..{m - 1}")
+    if report.deadlock is not None:
+        hint = ("with m < p the warm-up cannot be p - 1 - k forwards: there are only m"
+                if m < p else "stage k may run at most p - k forwards before its first backward, "
+                "and every stage takes the microbatches in the same order")
+        raise AssertionError(f"{what} cannot finish: {report.deadlock}. {hint}")
+    return schedule
+
+
+def check_one_f_one_b(generator, p: int, m: int) -> analysis.Report:
+    """...and it is a 1F1B: stage k holds at most min(m, p - k) microbatches' activations at once,
+    and the step takes no longer than GPipe's (m + p - 1)(t_F + t_B) with unit costs."""
+    schedule = check_generator(generator, p, m)
+    report = analysis.check_schedule(schedule, m)
+    bound = [min(m, p - k) for k in range(p)]
+    for k in range(p):
+        if report.peak_alive[k] > bound[k]:
+            raise AssertionError(
+                f"one_f_one_b({p}, {m}): stage {k} holds {report.peak_alive[k]} microbatches' "
+                f"activations at once; 1F1B holds at most min(m, p - k) = {bound[k]} on stage {k} "
+                f"(peaks {report.peak_alive}, bounds {bound}): run the backward of the oldest "
+                "microbatch as soon as the warm-up forwards are done")
+    gpipe = 3 * (m + p - 1)
+    if report.makespan > gpipe:
+        raise AssertionError(
+            f"one_f_one_b({p}, {m}) takes {report.makespan} time units (F = 1, B = 2), GPipe "
+            f"{gpipe}: the schedule adds bubble. A stage that waits for a gradient while it could "
+            "run a forward has too short a warm-up (p - 1 - k forwards on stage k, at most m)")
+    return report
+
+
+# ---- task 2: the cycle behind a deadlock -------------------------------------------------------
+
+def check_finds_no_deadlock(finder, schedule, m: int, what: str = "the schedule") -> None:
+    """finder(schedule, m) returns None for a schedule whose stages all finish."""
+    schedule = normalise(schedule)
+    _, deadlock = analysis.simulate(schedule, m)
+    if deadlock is not None or analysis.validate(schedule, m):
+        raise ValueError(f"check_finds_no_deadlock needs a complete schedule that finishes; "
+                         f"{what} does not: {deadlock}")
+    got = finder(plain_schedule(schedule), m)
+    if got is not None:
+        raise AssertionError(
+            f"find_deadlock says {what} (p = {len(schedule)}, m = {m}, v = "
+            f"{schedules.chunks_of(schedule)}) deadlocks ({_show(got)}), but every stage finishes. "
+            "Check the dependencies: chunk c of stage k is virtual stage c * p + k; F needs the "
+            "activation of virtual stage s - 1, B the gradient of s + 1 (the last virtual stage "
+            "starts from its own loss)")
+
+
+def check_finds_cycle(finder, schedule, m: int, what: str = "the schedule") -> list:
+    """finder(schedule, m) returns a cycle of waits [(stage, action, other stage, other action)]
+    that really holds the schedule up: each stage in it is stopped before that action (running
+    every action as soon as its inputs exist, sends buffered), the other action is one of that
+    action's inputs that never ran, on the other stage, and the other stage is the next in the
+    cycle (the last one's is the first's). Returns the cycle as Actions."""
+    schedule = normalise(schedule)
+    v = schedules.chunks_of(schedule)
+    ran, deadlock = analysis.simulate(schedule, m, v)
+    if deadlock is None or analysis.validate(schedule, m, v):
+        raise ValueError(f"check_finds_cycle needs a complete schedule that deadlocks; {what} "
+                         "finishes or is incomplete")
+    name = f"find_deadlock on {what} (p = {len(schedule)}, m = {m}, v = {v})"
+    got = finder(plain_schedule(schedule), m)
+    if got is None:
+        raise AssertionError(f"{name} returned None, but the schedule deadlocks: {deadlock}")
+    if not isinstance(got, (list, tuple)) or not got:
+        raise AssertionError(f"{name} returned {got!r}: expected None or a non-empty list of "
+                             "(stage, action, stage, action) waits")
+    graph = analysis._Graph(schedule, m, v)
+    cycle = []
+    for n, wait in enumerate(got):
+        try:
+            stage, a, other, b = wait
+            stage, other = int(stage), int(other)
+            a, b = schedules.action(a), schedules.action(b)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{name}: wait {n} is {wait!r}, expected (stage, action, stage, "
+                                 "action), e.g. (2, ('B', 0, 0), 3, ('B', 0, 0))") from None
+        if stage not in deadlock.stuck:
+            raise AssertionError(f"{name}: wait {n} says stage {stage} waits, but stage {stage} "
+                                 f"finishes; the stopped stages are {sorted(deadlock.stuck)}")
+        if a != deadlock.stuck[stage]:
+            raise AssertionError(f"{name}: wait {n} says stage {stage} is stopped before {a}, but "
+                                 f"it runs every action before {deadlock.stuck[stage]} (run each "
+                                 "action as soon as its inputs exist, until nothing can move)")
+        inputs = [(q, x) for q, x, _ in graph.inputs(stage, a)]
+        if (other, b) not in inputs:
+            raise AssertionError(f"{name}: wait {n} says {a} on stage {stage} needs {b} from "
+                                 f"stage {other}; it needs {_show_inputs(inputs)}")
+        if (other, b) in ran:
+            raise AssertionError(f"{name}: wait {n}: {b} on stage {other} did run, so {a} on "
+                                 f"stage {stage} is not waiting for it")
+        cycle.append((stage, a, other, b))
+    stages = [w[0] for w in cycle]
+    if len(set(stages)) != len(stages):
+        raise AssertionError(f"{name}: stage {_first_repeat(stages)} appears twice; a cycle "
+                             "visits each stage once (stop at the first repeated stage)")
+    for n, wait in enumerate(cycle):
+        following = cycle[(n + 1) % len(cycle)][0]
+        if wait[2] != following:
+            raise AssertionError(f"{name}: wait {n} is on stage {wait[2]}, but the next wait in "
+                                 f"the list is stage {following}'s: the waits must close a cycle "
+                                 "(each one's stage is the stage the previous waits on)")
+    return cycle
+
+
+def _show(cycle) -> str:
+    try:
+        return "; ".join(f"stage {s} at {schedules.action(a)} waits for {schedules.action(b)} on "
+                         f"stage {o}" for s, a, o, b in cycle)
+    except (TypeError, ValueError):
+        return repr(cycle)
+
+
+def _show_inputs(inputs) -> str:
+    return ", ".join(f"{x} from stage {q}" for q, x in inputs) or "nothing"
+
+
+def _first_repeat(items):
+    seen = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
+
+
+def deadlocking_variants(case: checks.Case, schedule, m: int, count: int = 3) -> list:
+    """Up to `count` complete schedules that deadlock, each made from `schedule` by moving one
+    action of one stage earlier (drawn with the case's generator)."""
+    schedule = normalise(schedule)
+    found, tries = [], 0
+    while len(found) < count and tries < 200:
+        tries += 1
+        k = case.integer(0, len(schedule) - 1)
+        if len(schedule[k]) < 2:
+            continue
+        j = case.integer(1, len(schedule[k]) - 1)
+        to = case.integer(0, j - 1)
+        moved = [list(actions) for actions in schedule]
+        moved[k].insert(to, moved[k].pop(j))
+        if analysis.simulate(moved, m)[1] is not None and moved not in found:
+            found.append(moved)
+    return found
+
+
+# ---- task 3: an executor for any schedule, v chunks per rank -----------------------------------
+
+def _executor_program(share, fn, activation_shape):
+    """On rank r: build its chunks from the weights it was sent, run the student's executor, read
+    the gradients back from the modules it was handed."""
+    from labkit import device
+    chunks = [bench.Piece.from_weights(weights).to(device()) for weights in share["weights"]]
+    fn(share["actions"], chunks, activation_shape, share["tokens"], share["targets"])
+    grads = {}
+    for chunk in chunks:
+        grads.update(chunk.gradients())
+    return grads
+
+
+SCHEDULES = ("GPipe", "1F1B", "interleaved")
+
+
+def executor_case(case: checks.Case, p: int, m: int, v: int = 1, schedule: str = "interleaved"):
+    """(shares, common args, expected gradients, the schedule, activation bytes) of one step.
+
+    Rank r is sent the weights of its own chunks only, its own actions, the tokens if it holds
+    virtual stage 0, the targets if it holds the last one. The expected gradients are one
+    process's, on the whole batch, computed here."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule != "interleaved" and v != 1:
+        raise ValueError(f"{schedule} runs one chunk per rank: v must be 1, got {v}")
+    S = v * p
+    layers = max(bench.LAYERS, S)
+    model_seed, data_seed = case.integer(0, 2 ** 31), case.integer(0, 2 ** 31)
+    pieces = bench.cut(bench.make_model(model_seed, layers), S)
+    tokens, targets = bench.microbatches(data_seed, m)
+    if schedule == "GPipe":
+        order = schedules.gpipe(p, m)
+    elif schedule == "1F1B":
+        order = schedules.torch_schedule("1F1B", p, m)
+    else:
+        order = schedules.torch_schedule("Interleaved1F1B", p, m, v)
+    plain = plain_schedule(order)
+    shares = [{"weights": [pieces[schedules.virtual_stage(r, c, p)].weights() for c in range(v)],
+               "actions": plain[r], "tokens": tokens if r == 0 else None,
+               "targets": targets if r == (S - 1) % p else None} for r in range(p)]
+    expected = bench.reference_gradients(model_seed, tokens, targets, layers)
+    shape = bench.activation_shape(tokens)
+    return shares, shape, expected, order, 8 * math.prod(shape)
+
+
+def _gradient_hint(got: dict, expected: dict, m: int) -> str:
+    import torch
+    both = [name for name in expected if name in got]
+    num = sum(float(got[n].double().norm() ** 2) for n in both) ** 0.5
+    den = sum(float(expected[n].double().norm() ** 2) for n in both) ** 0.5
+    ratio = num / den if den else math.inf
+    silent = [n for n in both if not torch.any(got[n]) and torch.any(expected[n])]
+    if silent:
+        return (f"{silent[:3]} got no gradient: did every chunk run its backward, and did the "
+                "gradient reach it from the next virtual stage?")
+    if m > 1 and 0.5 * m <= ratio <= 2 * m:
+        return (f"the gradients are about m = {m} times too large: the loss of microbatch i is "
+                "S_i / N, N the valid tokens of every microbatch together "
+                "(pipeline.token_count(targets)), not S_i / n_i of microbatch i alone")
+    if m > 1 and 0.5 / m <= ratio <= 2 / m:
+        return f"the gradients are about m = {m} times too small: is the loss divided by m too?"
+    return ("compare one microbatch first: forward on each virtual stage in order (chunk c of "
+            "rank r is virtual stage c * p + r), the activation and the gradient of the right "
+            "microbatch and chunk (tag the messages)")
+
+
+def check_executor(world, fn, schedule: str = "interleaved", m: int = 4, v: int = 2,
+                   timeout: float = 30, case: checks.Case | None = None) -> dict:
+    """One step of `schedule` run by fn(actions, chunks, activation_shape, tokens, targets) on
+    every rank: the gradients left in the chunks equal one process's on the whole batch."""
+    case = case or checks.Case(f"lab 5 executor, {schedule}, p = {world.size}, m = {m}, v = {v}")
+    shares, shape, expected, _, _ = executor_case(case, world.size, m, v, schedule)
+    results = world.run_each(_executor_program, shares, fn, shape, timeout=timeout)
+    checks.one_result_per_rank(results, world.size, case, "run_pipeline")
+    return _check_gradients(results, expected, m, case)
+
+
+def _check_gradients(results, expected, m, case) -> dict:
+    got = {}
+    for result in results:
+        got.update(result)
+    checks.check(got, expected, "the gradients of the pipeline's chunks", rtol=bench.RTOL,
+                 atol=bench.ATOL, case=case, hint=_gradient_hint(got, expected, m)
+                 if set(got) == set(expected) else "")
+    return got
+
+
+def check_executor_traffic(world, fn, schedule: str = "interleaved", m: int = 4, v: int = 2,
+                           timeout: float = 30, case: checks.Case | None = None):
+    """The same step, counted from outside the ranks: rank r sends to rank q exactly the
+    activations and gradients the schedule moves between them (one message each, [b, T, H] in
+    float64), nothing else, and the gradients are right."""
+    case = case or checks.Case(f"lab 5 executor messages, {schedule}, p = {world.size}, m = {m}, "
+                               f"v = {v}")
+    shares, shape, expected, order, message = executor_case(case, world.size, m, v, schedule)
+    with world.traffic() as traffic:
+        results = world.run_each(_executor_program, shares, fn, shape, timeout=timeout)
+    checks.one_result_per_rank(results, world.size, case, "run_pipeline")
+    _check_gradients(results, expected, m, case)
+    p = world.size
+    graph = analysis._Graph(order, m, v)
+    messages = [[0] * p for _ in range(p)]
+    for r, actions in enumerate(order):
+        for a in actions:
+            for q, _ in graph.sends(r, a):
+                messages[r][q] += 1
+    data = [[n * message for n in row] for row in messages]
+    checks.expect_traffic(traffic, data, messages, case=case, what="run_pipeline",
+                          hint="each F sends one activation to the rank of the next virtual "
+                          "stage, each B one gradient to the rank of the previous one; with v "
+                          "chunks the last rank's chunk c feeds rank 0's chunk c + 1. Only "
+                          "point-to-point messages of the activation's shape, nothing else")
+    return traffic
+
+
+# ---- task 4: the timeline of any schedule, per-stage costs and message time --------------------
+
+def check_timeline(fn, schedule, m: int, costs: list, latency: float = 0.0,
+                   what: str = "the schedule") -> list:
+    """fn(schedule, m, costs, latency) returns, per stage, the (start, end) of each of its actions
+    in its order; each is verified: it lasts its stage's cost, and starts exactly when its stage
+    finished the action before (0 for the first) and its inputs ended (+ latency when an input
+    comes from another stage), whichever is later."""
+    schedule = normalise(schedule)
+    p, v = len(schedule), schedules.chunks_of(schedule)
+    name = f"timeline of {what} (p = {p}, m = {m}, latency {latency})"
+    got = fn(plain_schedule(schedule), m, [dict(c) for c in costs], latency)
+    if not isinstance(got, (list, tuple)) or len(got) != p:
+        raise AssertionError(f"{name}: expected one list of (start, end) per stage ({p}), got "
+                             f"{type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}")
+    end = {}
+    for k, actions in enumerate(schedule):
+        if len(got[k]) != len(actions):
+            raise AssertionError(f"{name}: stage {k} has {len(actions)} actions, {len(got[k])} "
+                                 "(start, end) pairs came back")
+        for a, pair in zip(actions, got[k]):
+            try:
+                start, stop = (float(x) for x in pair)
+            except (TypeError, ValueError):
+                raise AssertionError(f"{name}: stage {k}, {a}: expected (start, end) numbers, got "
+                                     f"{pair!r}") from None
+            end[(k, a)] = stop
+    graph = analysis._Graph(schedule, m, v)
+    for k, actions in enumerate(schedule):
+        previous = 0.0
+        for a, pair in zip(actions, got[k]):
+            start, stop = (float(x) for x in pair)
+            cost = costs[k][a.kind]
+            if not math.isclose(stop - start, cost, rel_tol=TOLERANCE, abs_tol=TOLERANCE):
+                raise AssertionError(f"{name}: stage {k}'s {a} lasts {stop - start:g}, its cost on "
+                                     f"stage {k} is {cost:g} (costs[{k}][{a.kind!r}])")
+            ready, why = previous, f"stage {k} is free at {previous:g}"
+            for q, x, _ in graph.inputs(k, a):
+                arrives = end[(q, x)] + (latency if q != k else 0.0)
+                if arrives > ready:
+                    ready = arrives
+                    why = (f"{x} on stage {q} ends at {end[(q, x)]:g}"
+                           + (f" and its message takes {latency:g}" if q != k else ""))
+            if not math.isclose(start, ready, rel_tol=TOLERANCE, abs_tol=TOLERANCE):
+                raise AssertionError(f"{name}: stage {k}'s {a} starts at {start:g}; it can start "
+                                     f"at {ready:g} ({why}), and starts as soon as it can")
+            previous = stop
+    return got
+
+
+def check_bubble(fn, schedule, m: int, costs: list, latency: float, expected: float,
+                 what: str = "the schedule") -> float:
+    """fn(schedule, m, costs, latency) returns the bubble `expected` (a formula's value)."""
+    schedule = normalise(schedule)
+    got = fn(plain_schedule(schedule), m, [dict(c) for c in costs], latency)
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        raise AssertionError(f"bubble_fraction of {what} returned {got!r}, expected a number") \
+            from None
+    if not math.isclose(value, expected, rel_tol=TOLERANCE, abs_tol=TOLERANCE):
+        raise AssertionError(f"bubble_fraction of {what} (p = {len(schedule)}, m = {m}, latency "
+                             f"{latency}) is {value:.6f}, expected {expected:.6f}: the idle time of "
+                             "every stage over p x the step (from 0 to the last end)")
+    return value
+
+
+def gpipe_bubble(costs: list, m: int, latency: float = 0.0) -> float:
+    """GPipe's bubble with per-stage costs f_k, b_k and a message time: the step takes
+    sum_k (f_k + b_k) + 2 (p - 1) latency + (m - 1)(max f + max b) (a flow shop of identical jobs,
+    forwards then backwards); each stage works m (f_k + b_k) of it."""
+    p = len(costs)
+    f, b = [c["F"] for c in costs], [c["B"] for c in costs]
+    step = sum(f) + sum(b) + 2 * (p - 1) * latency + (m - 1) * (max(f) + max(b))
+    return 1 - m * (sum(f) + sum(b)) / (p * step)
