@@ -195,17 +195,19 @@ def tp_layer_bytes(B, T, H, tp, itemsize=4, sequence_parallel=False, reduce_scat
     Sequence parallel: each all-reduce becomes a reduce-scatter plus an all-gather, (t-1)/t * n
     each: the same 4 * 2(t-1)/t * n on a ring. gloo's reduce-scatter is an all-reduce that keeps
     one block (chapter 1, section 5): pass reduce_scatter_factor=2 for what gloo sends. The
-    all-reduce of the LayerNorm gradients that sequence parallelism adds is not counted here
-    (4H values per layer: see `layernorm_grad_bytes`)."""
+    all-reduce of the gradients that sequence parallelism turns into partial sums is not counted
+    here (6H values per layer: see `sequence_parallel_grad_bytes`)."""
     n = B * T * H * itemsize
     if not sequence_parallel:
         return 4 * all_reduce_bytes(n, tp)
     return 4 * all_gather_bytes(n, tp) + 4 * reduce_scatter_factor * all_gather_bytes(n, tp)
 
 
-def layernorm_grad_bytes(H, tp, itemsize=4):
-    """Sequence parallelism: two LayerNorms' weight and bias gradients (4H values) all-reduced."""
-    return all_reduce_bytes(4 * H * itemsize, tp)
+def sequence_parallel_grad_bytes(H, tp, itemsize=4):
+    """Sequence parallelism: the parameters that see only a rank's tokens (two LayerNorms' weights
+    and biases, the biases of o and fc2: 6H values) get partial-sum gradients, all-reduced once
+    per step."""
+    return all_reduce_bytes(6 * H * itemsize, tp)
 
 
 def vocab_parallel_ce_bytes(N, tp, itemsize=4, reductions=3):
