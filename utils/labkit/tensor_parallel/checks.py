@@ -1,0 +1,458 @@
+"""Checkers of lab 4 (tensor parallelism); the lab's test cells and tests/chapters call the same ones.
+
+    check_column_parallel(world, ColumnParallelLinear, 10, 36, gather_output=True)
+    check_row_parallel(world, RowParallelLinear, 36, 10, input_is_parallel=False)
+    check_block(world, shard_block, tp_block)                 # outputs and gradients
+    check_block_traffic(world, shard_block, tp_block)         # one all-reduce each way per sub-block
+    check_vocab_cross_entropy(world, vocab_parallel_cross_entropy, tokens=96, vocab=50)
+    check_vocab_traffic(world, vocab_parallel_cross_entropy)  # bytes grow with N, not with V
+
+Every case is drawn fresh (labkit.checks.Case; its seed is in every failure). Each rank is sent only
+what it would hold in a tensor-parallel job: its slice of the weights, of the logits, of the
+upstream gradient; expected values are computed here from the full tensors, never on a rank.
+Bytes are counted from outside the ranks (world.traffic()); the trace is used only to word hints.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from labkit import checks
+from labkit import tensor_parallel as tpk
+
+# Bytes a rank sends per collective besides the data, per peer (t - 1 of them), measured with
+# world.traffic() on gloo: a ring all-reduce's 2(t-1) messages carry 288 B of headers and
+# acknowledgements each, 576 B per peer; in teaching mode (TORCH_DISTRIBUTED_DEBUG=DETAIL) the
+# fingerprint check before each collective adds ~800 B more per peer (1364 B at t = 2 in all).
+FRAMING_PER_PEER = 1500
+# float32 sums over a few hundred terms drift by ~1e-6 relative; every mistake named in the lab is
+# off by far more than these (a missing all-reduce, a bias added t times: O(1) relative errors)
+_TOLERANCES = {"float64": dict(rtol=1e-10, atol=1e-12), "float32": dict(rtol=1e-4, atol=1e-5)}
+
+
+def _slices(size, tp):
+    step = size // tp
+    return [slice(r * step, (r + 1) * step) for r in range(tp)]
+
+
+def _close(a, b, dtype):
+    return a is not None and a.shape == b.shape and torch.allclose(a.to(b.dtype), b,
+                                                                   **_TOLERANCES[dtype])
+
+
+# ---- task 1: column- and row-parallel linear layers ---------------------------------------------
+
+def _run_linear(share, layer_cls, kind, in_features, out_features, option, bias, dtype):
+    """On a rank: build the layer, load this rank's weight slice, forward and backward."""
+    torch_dtype = getattr(torch, dtype)
+    option_name = "gather_output" if kind == "column" else "input_is_parallel"
+    layer = layer_cls(in_features, out_features, bias=bias, dtype=torch_dtype,
+                      **{option_name: option})
+    weight, layer_bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    shapes = {"weight": None if weight is None else tuple(weight.shape),
+              "bias": None if layer_bias is None else tuple(layer_bias.shape),
+              "dtype": None if weight is None else str(weight.dtype).replace("torch.", "")}
+    wanted = {"weight": tuple(share["weight"].shape),
+              "bias": tuple(share["bias"].shape) if bias else None, "dtype": dtype}
+    if shapes != wanted:
+        return {"shapes": shapes}
+    with torch.no_grad():
+        weight.copy_(share["weight"])
+        if bias:
+            layer_bias.copy_(share["bias"])
+    import labkit
+    x = share["x"].to(labkit.device()).requires_grad_(True)
+    y = layer(x)
+    y.backward(share["dy"].to(labkit.device()))
+    return {"shapes": shapes, "y": y.detach(), "dx": x.grad,
+            "dweight": weight.grad, "dbias": layer_bias.grad if bias else None}
+
+
+def _linear_case(what, in_features, out_features, dtype, batch_shape, bias):
+    case = checks.Case(what)
+    W = case.normal((out_features, in_features), dtype, scale=in_features ** -0.5)   # [out, in]
+    b = case.normal((out_features,), dtype) if bias else None
+    x = case.normal((*batch_shape, in_features), dtype)                               # [..., in]
+    dy = case.normal((*batch_shape, out_features), dtype)                             # [..., out]
+    y = x @ W.T + (b if bias else 0)
+    flat_dy, flat_x = dy.reshape(-1, out_features), x.reshape(-1, in_features)
+    full = {"y": y, "dx": dy @ W, "dweight": flat_dy.T @ flat_x,
+            "dbias": flat_dy.sum(0) if bias else None}
+    return case, W, b, x, dy, full
+
+
+def _compare_linear(results, expected, case, dtype, hints):
+    checks.one_result_per_rank(results, len(expected), case)
+    for rank, (got, want) in enumerate(zip(results, expected)):
+        if got["shapes"] != want["shapes"]:
+            raise AssertionError(
+                f"rank {rank}: the layer's parameters are {got['shapes']}, expected "
+                f"{want['shapes']} [{case}]; keep only this rank's slice of the weight, as a "
+                "parameter named `weight` (and `bias`, or None when bias=False), in `dtype`")
+        for key in ("y", "dx", "dweight", "dbias"):
+            if want[key] is None:
+                continue
+            if not _close(got[key], want[key], dtype):
+                hint = hints(rank, key, got[key])
+                checks.check(got[key], want[key], f"rank {rank}'s {_NAMES[key]}", case=case,
+                             hint=hint, **_TOLERANCES[dtype])
+
+
+_NAMES = {"y": "output", "dx": "input gradient (x.grad)", "dweight": "weight gradient",
+          "dbias": "bias gradient"}
+
+
+def _check_divisibility(world, layer_cls, kind, in_features, out_features, timeout):
+    """A size that tp does not divide must raise ValueError on every rank, naming the size."""
+    if world.size == 1:
+        return
+    split = out_features if kind == "column" else in_features
+    bad = split * world.size + 1                      # never divisible by world.size > 1
+    sizes = (in_features, bad) if kind == "column" else (bad, out_features)
+    outcomes = world.run_each(_try_construct, [None] * world.size, layer_cls, kind, *sizes,
+                              timeout=timeout)
+    for rank, (kind_of_error, message) in enumerate(outcomes):
+        if kind_of_error != "ValueError" or str(bad) not in message:
+            raise AssertionError(
+                f"rank {rank}: a {kind}-parallel layer with {'out' if kind == 'column' else 'in'}"
+                f"_features={bad} on tp={world.size} ranks should raise ValueError naming {bad}; "
+                f"got {kind_of_error or 'no error'}{': ' + message if message else ''}")
+
+
+def _try_construct(_share, layer_cls, kind, in_features, out_features):
+    option = {"gather_output": True} if kind == "column" else {"input_is_parallel": False}
+    try:
+        layer_cls(in_features, out_features, **option)
+    except Exception as error:  # noqa: BLE001 -- the type is the answer
+        return type(error).__name__, str(error)[:300]
+    return None, ""
+
+
+def check_column_parallel(world, layer_cls, in_features, out_features, gather_output=True,
+                          bias=True, dtype="float64", batch_shape=(3, 4), timeout=30):
+    """ColumnParallelLinear: W [out, in] split by rows; output gathered or kept [..., out/t]."""
+    tp = world.size
+    if out_features % tp:
+        raise ValueError(f"check_column_parallel: out_features ({out_features}) must be divisible "
+                         f"by the world size ({tp})")
+    case, W, b, x, dy, full = _linear_case(
+        f"ColumnParallelLinear({in_features}, {out_features}, gather_output={gather_output}, "
+        f"bias={bias}, {dtype}) on {tp} ranks", in_features, out_features, dtype, batch_shape, bias)
+    shares, expected = [], []
+    for rows in _slices(out_features, tp):
+        shares.append({"weight": W[rows].clone(), "bias": b[rows].clone() if bias else None,
+                       "x": x, "dy": dy if gather_output else dy[..., rows].clone()})
+        expected.append({"shapes": {"weight": (out_features // tp, in_features),
+                                    "bias": (out_features // tp,) if bias else None, "dtype": dtype},
+                         "y": full["y"] if gather_output else full["y"][..., rows],
+                         "dx": full["dx"], "dweight": full["dweight"][rows],
+                         "dbias": full["dbias"][rows] if bias else None})
+
+    def hints(rank, key, got):
+        rows = _slices(out_features, tp)[rank]
+        if key == "dx" and got is not None and _close(got, dy[..., rows] @ W[rows], dtype) \
+                and tp > 1:
+            return ("the input gradient is only this rank's share, dy_r W_r: the backward of the "
+                    "layer's input must all-reduce it (Megatron's f: identity forward, all-reduce "
+                    "backward)")
+        if key == "y":
+            return ("the output pieces are [..., out/t] column blocks: join them along the last "
+                    "dim, in rank order (all_gather_into_tensor joins along dim 0)"
+                    if gather_output else "this rank's output is x W_r^T + b_r, its own columns")
+        if key == "dweight" and got is not None and tp > 1 and _close(got, tp * expected[rank][key],
+                                                                          dtype):
+            return "the weight gradient is t times too large: is the output gradient summed?"
+        return "compare with a single nn.Linear holding the full weight"
+
+    results = world.run_each(_run_linear, shares, layer_cls, "column", in_features, out_features,
+                             gather_output, bias, dtype, timeout=timeout)
+    _compare_linear(results, expected, case, dtype, hints)
+    _check_divisibility(world, layer_cls, "column", in_features, out_features, timeout)
+
+
+def check_row_parallel(world, layer_cls, in_features, out_features, input_is_parallel=False,
+                       bias=True, dtype="float64", batch_shape=(3, 4), timeout=30):
+    """RowParallelLinear: W [out, in] split by columns; the partial outputs all-reduced; the bias
+    added once; the input either already split ([..., in/t]) or split by the layer."""
+    tp = world.size
+    if in_features % tp:
+        raise ValueError(f"check_row_parallel: in_features ({in_features}) must be divisible by "
+                         f"the world size ({tp})")
+    case, W, b, x, dy, full = _linear_case(
+        f"RowParallelLinear({in_features}, {out_features}, input_is_parallel={input_is_parallel}, "
+        f"bias={bias}, {dtype}) on {tp} ranks", in_features, out_features, dtype, batch_shape, bias)
+    shares, expected = [], []
+    for cols in _slices(in_features, tp):
+        shares.append({"weight": W[:, cols].clone(), "bias": b.clone() if bias else None,
+                       "x": x[..., cols].clone() if input_is_parallel else x, "dy": dy})
+        expected.append({"shapes": {"weight": (out_features, in_features // tp),
+                                    "bias": (out_features,) if bias else None, "dtype": dtype},
+                         "y": full["y"], "dx": full["dx"][..., cols] if input_is_parallel
+                         else full["dx"], "dweight": full["dweight"][:, cols],
+                         "dbias": full["dbias"] if bias else None})
+
+    def hints(rank, key, got):
+        cols = _slices(in_features, tp)[rank]
+        if key == "y" and bias and got is not None and tp > 1 and _close(
+                got, full["y"] + (tp - 1) * b, dtype):
+            return ("the output holds the bias t times: add the bias once, after the all-reduce, "
+                    "not to every rank's partial sum")
+        if key == "y" and got is not None and _close(got, x[..., cols] @ W[:, cols].T + (
+                b if bias else 0), dtype) and tp > 1:
+            return "the partial products of the ranks must be summed: an all-reduce (Megatron's g)"
+        if key == "dx" and not input_is_parallel and got is not None and tp > 1:
+            own = torch.zeros_like(full["dx"])
+            own[..., cols] = full["dx"][..., cols]
+            if _close(got, own, dtype):
+                return ("x.grad is right in this rank's columns and zero elsewhere: when the layer "
+                        "splits a replicated input, the backward of that split must gather (or "
+                        "all-reduce) the input gradient, or the layers below see only a share")
+        if key == "y":
+            return ("rank r multiplies its columns x[..., r*in/t:(r+1)*in/t] by W_r: [out, in/t]; "
+                    "check which size the split uses")
+        return "compare with a single nn.Linear holding the full weight"
+
+    results = world.run_each(_run_linear, shares, layer_cls, "row", in_features, out_features,
+                             input_is_parallel, bias, dtype, timeout=timeout)
+    _compare_linear(results, expected, case, dtype, hints)
+    _check_divisibility(world, layer_cls, "row", in_features, out_features, timeout)
+
+
+# ---- task 2: the tensor-parallel block -----------------------------------------------------------
+
+SPLIT = ("qkv.weight", "qkv.bias", "o.weight", "fc1.weight", "fc1.bias", "fc2.weight")
+REPLICATED = ("ln1.weight", "ln1.bias", "o.bias", "ln2.weight", "ln2.bias", "fc2.bias")
+LAB_BLOCK = dict(hidden=40, heads=12, head_dim=3, ffn=72)       # A = 36 != H, F = 72: not square
+
+
+def check_shards(shards, params, tp, case=None):
+    """What shard_block returned for every rank: the same names, split weights 1/tp each (no rank
+    holds a whole split weight), replicated ones whole and equal to the full tensor."""
+    checks.one_result_per_rank(shards, tp, case, "shard_block")
+    for rank, local in enumerate(shards):
+        if not isinstance(local, dict) or set(local) != set(params):
+            got = sorted(local) if isinstance(local, dict) else type(local).__name__
+            raise AssertionError(f"shard_block(params, {rank}, {tp}, heads) returned {got}; "
+                                 f"expected a dict with the keys {sorted(params)}"
+                                 + checks._where(case))
+        for name in SPLIT:
+            tensor = local[name]
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() * tp != params[name].numel():
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
+                raise AssertionError(
+                    f"rank {rank}'s {name} has shape {shape}; a 1/{tp} slice of "
+                    f"{tuple(params[name].shape)} holds {params[name].numel() // tp} values"
+                    + checks._where(case) + "; split by heads (qkv, o) or by MLP width (fc1, fc2)")
+        for name in REPLICATED:
+            checks.check(local[name], params[name], f"rank {rank}'s {name} (replicated)", case=case,
+                         rtol=0, atol=0, hint="LayerNorms and the biases added after the "
+                         "all-reduce are whole on every rank")
+
+
+def _block_case(what, shard_fn, tp, batch, seq, dtype, sizes):
+    case = checks.Case(what)
+    params = tpk.random_params(case.generator, dtype=getattr(torch, dtype), **sizes)
+    x = case.normal((batch, seq, sizes["hidden"]), dtype)                  # [B, T, H]
+    dy = case.normal((batch, seq, sizes["hidden"]), dtype)
+    shards = [shard_fn({k: v.clone() for k, v in params.items()}, r, tp, sizes["heads"])
+              for r in range(tp)]
+    check_shards(shards, params, tp, case)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    x_ref = x.clone().requires_grad_(True)
+    y = tpk.block_reference(leaves, x_ref, sizes["heads"])
+    y.backward(dy)
+    grads = {k: v.grad for k, v in leaves.items()}
+    expected_grads = []
+    for r in range(tp):
+        split = shard_fn({k: v.clone() for k, v in grads.items()}, r, tp, sizes["heads"])
+        expected_grads.append({k: split[k] if k in SPLIT else grads[k] for k in params})
+    return case, params, x, dy, shards, y.detach(), x_ref.grad, expected_grads
+
+
+def _run_block(share, block_fn, heads, backward=True):
+    """On a rank: this rank's shards as leaves, forward, and backward unless told not to."""
+    import labkit
+    device = labkit.device()
+    local = {k: v.to(device).requires_grad_(True) for k, v in share["local"].items()}
+    x = share["x"].to(device).requires_grad_(True)
+    y = block_fn(local, x, heads)
+    if not backward:
+        return {"y": y.detach()}
+    y.backward(share["dy"].to(device))
+    return {"y": y.detach(), "dx": x.grad, "grads": {k: v.grad for k, v in local.items()}}
+
+
+def _compare_block(results, y, dx, expected_grads, case, dtype):
+    checks.one_result_per_rank(results, len(expected_grads), case, "tp_block")
+    tol = _TOLERANCES[dtype]
+    for rank, got in enumerate(results):
+        checks.check(got["y"], y, f"rank {rank}'s output", case=case, **tol,
+                     hint="every rank must hold the whole output: one all-reduce after o and one "
+                          "after fc2, each bias added once after it")
+        checks.check(got["dx"], dx, f"rank {rank}'s input gradient", case=case, **tol,
+                     hint="the input gradient needs an all-reduce in backward before each "
+                          "column-parallel part (Megatron's f), one for q, k and v together")
+        for name, want in expected_grads[rank].items():
+            grad = got["grads"].get(name)
+            if grad is None:
+                raise AssertionError(f"rank {rank}: {name} got no gradient [{case}]: use every "
+                                     "tensor of `local` in the computation")
+            checks.check(grad, want, f"rank {rank}'s gradient of {name}", case=case, **tol,
+                         hint="the gradient of a shard is the same slice of the full gradient")
+
+
+def check_block(world, shard_fn, block_fn, batch=3, seq=5, dtype="float64", timeout=60,
+                sizes=None):
+    """The tensor-parallel block equals tpk.block_reference, outputs and every gradient."""
+    sizes = dict(sizes or LAB_BLOCK)
+    case, params, x, dy, shards, y, dx, expected_grads = _block_case(
+        f"tensor-parallel block {sizes} on {world.size} ranks, {dtype}", shard_fn, world.size,
+        batch, seq, dtype, sizes)
+    results = world.run_each(_run_block, [{"local": s, "x": x, "dy": dy} for s in shards],
+                             block_fn, sizes["heads"], timeout=timeout)
+    _compare_block(results, y, dx, expected_grads, case, dtype)
+
+
+def check_block_traffic(world, shard_fn, block_fn, batch=4, seq=24, dtype="float64", timeout=60,
+                        sizes=None):
+    """Exactly one all-reduce of [B, T, H] per sub-block in forward and one in backward, counted
+    from outside the ranks: 2 x 2(t-1)/t x BTHb bytes per rank in each direction, plus at most
+    FRAMING_PER_PEER per peer and collective. Keep BTHb above ~20 kB, so that one activation
+    more (a sub-block that all-reduces twice) stands out of the framing at every t <= 4."""
+    sizes = dict(sizes or LAB_BLOCK)
+    tp = world.size
+    case, params, x, dy, shards, y, dx, expected_grads = _block_case(
+        f"traffic of the tensor-parallel block {sizes} on {tp} ranks", shard_fn, tp, batch, seq,
+        dtype, sizes)
+    shares = [{"local": s, "x": x, "dy": dy} for s in shards]
+    # forward alone, then forward and backward: the difference is what backward sent
+    with world.traffic() as forward_traffic:
+        alone = world.run_each(_run_block, shares, block_fn, sizes["heads"], False,
+                               timeout=timeout)
+    with world.tracing() as trace, world.traffic() as traffic:
+        results = world.run_each(_run_block, shares, block_fn, sizes["heads"], timeout=timeout)
+    checks.one_result_per_rank(alone, tp, case, "tp_block")
+    _compare_block(results, y, dx, expected_grads, case, dtype)
+    if tp == 1:
+        return
+    n = x.numel() * x.element_size()
+    data = 2 * tpk.all_reduce_bytes(n, tp)                 # two all-reduces per direction
+    framing = 2 * (tp - 1) * FRAMING_PER_PEER + 512
+    forward = forward_traffic.sent
+    backward = [total - f for total, f in zip(traffic.sent, forward)]
+    for rank in range(tp):
+        ops = [r["op"] for r in trace.ops(rank)]              # words for the message only
+        for phase, sent in (("forward", forward[rank]), ("backward", backward[rank])):
+            if not data * 0.99 <= sent <= data + framing:
+                raise AssertionError(
+                    f"rank {rank} sent {sent} bytes in {phase}; one all-reduce of the "
+                    f"[{batch}, {seq}, {sizes['hidden']}] activation per sub-block sends "
+                    f"2 x 2(t-1)/t x {n} = {data:.0f} bytes (up to {data + framing:.0f} with "
+                    f"headers and teaching mode's checks) [{case}]; the rank called {ops}: exactly one all-reduce "
+                    "per sub-block in each direction, nothing gathered, nothing reduced twice")
+
+
+# ---- task 3: vocabulary-parallel cross-entropy ---------------------------------------------------
+
+def vocab_bounds(vocab, tp, cuts=None):
+    """[(start, end)] of each rank's vocabulary columns: from the given first columns `cuts`
+    (cuts[0] == 0), or as even as possible (sizes differ by at most one)."""
+    if cuts is None:
+        cuts = [r * vocab // tp for r in range(tp)]
+    edges = list(cuts) + [vocab]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _run_vocab(share, fn, ignore_index, pass_ignore):
+    """On a rank: the loss from this rank's logit columns, and their gradient."""
+    import labkit
+    logits = share["logits"].to(labkit.device()).requires_grad_(True)
+    kwargs = {"ignore_index": ignore_index} if pass_ignore else {}
+    loss = fn(logits, share["targets"].to(labkit.device()), share["start"], **kwargs)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logits.grad}
+
+
+def _vocab_case(what, tokens, vocab, tp, dtype, ignore_fraction, ignore_index, uneven):
+    case = checks.Case(what)
+    logits = case.normal((tokens, vocab), dtype, scale=3.0)               # [N, V]
+    targets = case.integers(0, vocab - 1, (tokens,))                      # [N]
+    if ignore_fraction:
+        drop = torch.rand(tokens, generator=case.generator) < ignore_fraction
+        drop[0] = False                                                   # at least one counted
+        targets[drop] = ignore_index
+    if uneven:
+        cuts = sorted(case.permutation(vocab - 1)[:tp - 1])
+        cuts = [0] + [c + 1 for c in cuts]                                # every rank >= 1 column
+    else:
+        cuts = None
+    bounds = vocab_bounds(vocab, tp, cuts)
+    return case, logits, targets, bounds
+
+
+def check_vocab_cross_entropy(world, fn, tokens=64, vocab=48, dtype="float32",
+                              ignore_fraction=0.0, ignore_index=-100, uneven=False, timeout=30):
+    """Loss and gradient equal F.cross_entropy on the full logits (mean over counted tokens)."""
+    tp = world.size
+    case, logits, targets, bounds = _vocab_case(
+        f"vocab-parallel cross-entropy, N={tokens}, V={vocab} over {tp} ranks "
+        f"({'uneven' if uneven else 'even'} split), {dtype}, ignore_index={ignore_index}",
+        tokens, vocab, tp, dtype, ignore_fraction, ignore_index, uneven)
+    full = logits.clone().requires_grad_(True)
+    loss = F.cross_entropy(full, targets, ignore_index=ignore_index)
+    loss.backward()
+    shares = [{"logits": logits[:, s:e].clone(), "targets": targets, "start": s} for s, e in bounds]
+    results = world.run_each(_run_vocab, shares, fn, ignore_index, ignore_index != -100,
+                             timeout=timeout)
+    checks.one_result_per_rank(results, tp, case, "vocab_parallel_cross_entropy")
+    tol = _TOLERANCES[dtype]
+    for rank, (got, (s, e)) in enumerate(zip(results, bounds)):
+        checks.check(got["loss"], loss.detach(), f"rank {rank}'s loss", case=case, **tol,
+                     hint="loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,y_i - m_i), with the max, "
+                          "the sum and the target's logit reduced over all ranks; the mean over "
+                          "the tokens whose target is not ignore_index")
+        checks.check(got["grad"], full.grad[:, s:e], f"rank {rank}'s gradient of its logits "
+                     f"(columns {s}..{e - 1})", case=case, **tol,
+                     hint="d loss / d z_ij = (softmax_ij - [j == y_i]) / (counted tokens), zero "
+                          "for ignored tokens; softmax_ij uses the global max and sum")
+
+
+def check_vocab_traffic(world, fn, tokens=512, vocab=256, dtype="float32", timeout=30,
+                        max_reductions=4):
+    """Bytes per rank do not grow with the vocabulary: the same N with V and 8V sends the same,
+    and at most `max_reductions` all-reduces of N values (plus gloo's framing). Gathering the
+    logits sends (t-1)/t x N V b and fails."""
+    tp = world.size
+    if tp == 1:
+        return
+    sent = {}
+    for v in (vocab, 8 * vocab):
+        case, logits, targets, bounds = _vocab_case(
+            f"traffic of vocab-parallel cross-entropy, N={tokens}, V={v} over {tp} ranks",
+            tokens, v, tp, dtype, 0.0, -100, False)
+        shares = [{"logits": logits[:, s:e].clone(), "targets": targets, "start": s}
+                  for s, e in bounds]
+        with world.tracing() as trace, world.traffic() as traffic:
+            results = world.run_each(_run_vocab, shares, fn, -100, False, timeout=timeout)
+        checks.one_result_per_rank(results, tp, case, "vocab_parallel_cross_entropy")
+        reference = F.cross_entropy(logits, targets)
+        checks.check(results[0]["loss"], reference, "rank 0's loss", case=case,
+                     **_TOLERANCES[dtype])
+        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        bound = max_reductions * (tpk.all_reduce_bytes(tokens * itemsize, tp)
+                                  + (tp - 1) * FRAMING_PER_PEER) + 512
+        for rank, count in enumerate(traffic.sent):
+            if count > bound:
+                ops = sorted({r["op"] for r in trace.ops(rank)})
+                raise AssertionError(
+                    f"rank {rank} sent {count} bytes for N={tokens} tokens and V={v} [{case}]; "
+                    f"{max_reductions} all-reduces of N values are at most {bound:.0f} bytes, "
+                    f"gathering the logits would be {tpk.gathered_logits_bytes(tokens, v, tp, itemsize):.0f}"
+                    f"; the rank called {ops}: reduce [N] vectors (max, sum of exponentials, "
+                    "target logit), never the [N, V/t] logits")
+        sent[v] = traffic.sent
+    for rank in range(tp):
+        if sent[8 * vocab][rank] > 1.1 * sent[vocab][rank] + 512:
+            raise AssertionError(f"rank {rank} sent {sent[vocab][rank]} bytes with V={vocab} and "
+                                 f"{sent[8 * vocab][rank]} with V={8 * vocab}: the bytes must not "
+                                 "grow with the vocabulary")
