@@ -1,0 +1,315 @@
+"""Chapter 4 / lab 4: labkit.tensor_parallel (bench, formulas, placements, measurements), the lab's
+reference solution used as a library, and the lab's checkers rejecting the wrong answers the issue
+names (each on real ranks, through the same functions the test cells call)."""
+import math
+import sys
+from pathlib import Path
+
+import cloudpickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+import labkit
+from labkit import tensor_parallel as tpk
+from labkit.tensor_parallel import checks, measure, placement
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab04_tensor_parallel"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank programs defined here
+FEW = settings(max_examples=5, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _cell(grade_id):
+    import nbformat
+    return next(c.source for c in nbformat.read(str(SOLUTION), as_version=4).cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def _reference(grade_id, source=None):
+    """The namespace of a solution answer cell (optionally edited), as a student's would be."""
+    namespace = {"torch": torch, "dist": dist, "nn": nn, "F": F, "labkit": labkit, "tpk": tpk,
+                 "__name__": "__main__"}
+    exec(compile(source or _cell(grade_id), f"{LAB}:{grade_id}", "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def world3():
+    yield labkit.world(3, timeout=60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    labkit.shutdown_all()
+
+
+# ---- the bench, in one process ------------------------------------------------------------------
+
+@FEW
+@given(st.integers(0, 10_000), st.sampled_from([torch.float32, torch.float64]))
+def test_block_reference_is_the_module(seed, dtype):
+    block = tpk.make_block(seed, dtype=dtype)
+    x = torch.randn(2, 5, tpk.HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(tpk.block_reference(tpk.fused_params(block), x, tpk.HEADS), block(x))
+
+
+def test_make_block_is_deterministic_and_never_square():
+    a, b = tpk.make_block(3), tpk.make_block(3)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert all(p.shape[0] != p.shape[1] for p in a.parameters() if p.dim() == 2)
+
+
+@FEW
+@given(st.integers(1, 3), st.sampled_from([4, 6, 12]), st.sampled_from([8, 12]))
+def test_activation_formula_counts_what_autograd_keeps(batch, seq, ffn):
+    block = tpk.make_block(0, hidden=20, heads=4, head_dim=3, ffn=ffn, dtype=torch.float32)
+    x = torch.randn(batch, seq, 20, requires_grad=True)
+    kept = measure.saved_activation_bytes(lambda: block(x), exclude=block.parameters())
+    assert kept == 4 * tpk.activation_elements(batch, seq, 20, 12, ffn, 4)
+
+
+@given(st.integers(1, 64), st.integers(1, 64), st.integers(1, 512), st.integers(1, 8))
+def test_sequence_parallel_sends_what_tensor_parallel_sends_on_a_ring(B, T, H, tp):
+    assert math.isclose(tpk.tp_layer_bytes(B, T, H, tp, sequence_parallel=True),
+                        tpk.tp_layer_bytes(B, T, H, tp), rel_tol=1e-12)
+
+
+@given(st.integers(1, 8192), st.integers(1, 8), st.integers(1, 16384), st.integers(1, 128),
+       st.integers(1, 64))
+def test_korthikanti_sequence_parallel_is_exactly_one_over_t(s, b, h, a, t):
+    assert math.isclose(tpk.korthikanti_activation_bytes(s, b, h, a, t, sequence_parallel=True),
+                        tpk.korthikanti_activation_bytes(s, b, h, a, 1) / t, rel_tol=1e-9)
+
+
+def test_vocab_loss_bytes_do_not_depend_on_the_vocabulary():
+    assert tpk.vocab_parallel_ce_bytes(4096, 4) == 3 * 2 * 3 / 4 * 4096 * 4
+    assert tpk.gathered_logits_bytes(4096, 1000, 4) > 100 * tpk.vocab_parallel_ce_bytes(4096, 4)
+
+
+def test_placement_records_refuse_inconsistent_shapes():
+    with pytest.raises(ValueError, match=r"Shard\(0\) piece of a \(10, 4\) tensor over tp=2"):
+        placement.Placed(torch.zeros(4, 4), (10, 4), placement.Shard(0), tp=2)
+    with pytest.raises(ValueError, match="not divisible by tp"):
+        placement.place(torch.zeros(10, 4), placement.Shard(0), 0, 3)
+    record = placement.place(torch.arange(12.).view(3, 4), placement.Shard(1), 1, 2)
+    assert record.local.tolist() == [[2, 3], [6, 7], [10, 11]] and record.local_shape == (3, 2)
+
+
+def test_peak_bytes_follows_storages_not_views():
+    x = torch.randn(256, 256)
+
+    def two_buffers():
+        a = x * 2                     # 256 KiB
+        view = a.view(-1)             # no allocation
+        b = torch.softmax(a, dim=-1)  # 256 KiB
+        del a, view
+        return b.sum()
+
+    peak, _ = measure.peak_bytes(two_buffers)
+    assert peak == 2 * x.numel() * 4
+
+
+def test_self_check_skips_unanswered_questions(capsys):
+    assert tpk.self_check({}) == 0
+    assert "not answered yet" in capsys.readouterr().out
+    right = {"column weight shape": (2048, 4096), "block bytes": 469762048,
+             "g under sequence parallelism": "reduce-scatter", "loss bytes": 147456,
+             "loss bytes, vocabulary doubled": 147456}
+    assert tpk.self_check(right) == 5
+    with pytest.raises(KeyError):
+        tpk.self_check({"no such question": 1})
+
+
+# ---- the reference solution passes every checker, at P = 1..4 -----------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_reference_passes_the_visible_checks(size):
+    world = labkit.world(size, timeout=60)
+    layers = _reference("task1_parallel_linear")
+    block = _reference("task2_tp_block")
+    loss = _reference("task3_vocab_parallel_ce")["vocab_parallel_cross_entropy"]
+    checks.check_column_parallel(world, layers["ColumnParallelLinear"], 10, 36, gather_output=True)
+    checks.check_row_parallel(world, layers["RowParallelLinear"], 36, 10, input_is_parallel=False)
+    checks.check_block(world, block["shard_block"], block["tp_block"])
+    checks.check_vocab_cross_entropy(world, loss, tokens=40, vocab=22, uneven=True,
+                                     ignore_fraction=0.3)
+
+
+@pytest.mark.timeout(300)
+def test_reference_passes_every_checker_at_three_ranks(world3):
+    layers = _reference("task1_parallel_linear")
+    for gather in (True, False):
+        checks.check_column_parallel(world3, layers["ColumnParallelLinear"], 7, 12, gather,
+                                     bias=not gather, dtype="float32", batch_shape=(5,))
+    for parallel in (True, False):
+        checks.check_row_parallel(world3, layers["RowParallelLinear"], 12, 7, parallel,
+                                  bias=parallel, dtype="float64", batch_shape=(2, 2, 2))
+    block = _reference("task2_tp_block")
+    checks.check_block_traffic(world3, block["shard_block"], block["tp_block"])
+    loss = _reference("task3_vocab_parallel_ce")["vocab_parallel_cross_entropy"]
+    checks.check_vocab_cross_entropy(world3, loss, tokens=17, vocab=5, uneven=True,
+                                     dtype="float64", ignore_fraction=0.5, ignore_index=-1)
+    checks.check_vocab_traffic(world3, loss)
+
+
+def _train_mlp(share, column_cls, row_cls, steps, microbatches):
+    """On a rank: a column-then-row MLP (the first bias frozen), SGD with gradient accumulation."""
+    layer1 = column_cls(6, 12, bias=True, gather_output=False, dtype=torch.float64)
+    layer2 = row_cls(12, 6, bias=False, input_is_parallel=True, dtype=torch.float64)
+    with torch.no_grad():
+        layer1.weight.copy_(share["w1"])
+        layer1.bias.copy_(share["b1"])
+        layer2.weight.copy_(share["w2"])
+    layer1.bias.requires_grad_(False)                      # a frozen parameter
+    params = [layer1.weight, layer2.weight]
+    for step in range(steps):
+        for p in params:
+            p.grad = None
+        for x in share["batches"][step].chunk(microbatches):
+            (layer2(torch.tanh(layer1(x))).square().mean() / microbatches).backward()
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+    return [layer1.weight.detach(), layer2.weight.detach()]
+
+
+@pytest.mark.timeout(120)
+def test_reference_layers_train_like_one_process(world3):
+    """Several steps, gradient accumulation over microbatches, a frozen bias, a layer without
+    bias: the sharded weights after training are the slices of the single-process weights."""
+    layers = _reference("task1_parallel_linear")
+    g = torch.Generator().manual_seed(0)
+    w1, b1, w2 = (torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randn(12, generator=g,
+                  dtype=torch.float64), torch.randn(6, 12, generator=g, dtype=torch.float64))
+    batches = [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(3)]
+    rows = checks._slices(12, 3)
+    shares = [{"w1": w1[r], "b1": b1[r], "w2": w2[:, r], "batches": batches} for r in rows]
+    results = world3.run_each(_train_mlp, shares, layers["ColumnParallelLinear"],
+                              layers["RowParallelLinear"], 3, 2)
+    ref1, ref2 = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    for batch in batches:
+        ref1.grad = ref2.grad = None
+        for x in batch.chunk(2):
+            ((torch.tanh(x @ ref1.T + b1) @ ref2.T).square().mean() / 2).backward()
+        with torch.no_grad():
+            ref1 -= 0.1 * ref1.grad
+            ref2 -= 0.1 * ref2.grad
+    for (got1, got2), r in zip(results, rows):
+        torch.testing.assert_close(got1, ref1.detach()[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got2, ref2.detach()[:, r], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_size_raises_and_the_world_stays_usable(world3):
+    layers = _reference("task1_parallel_linear")
+    outcomes = world3.run_each(checks._try_construct, [None] * 3, layers["ColumnParallelLinear"],
+                               "column", 10, 7)
+    assert all(kind == "ValueError" and "out_features (7)" in message for kind, message in outcomes)
+    checks.check_column_parallel(world3, layers["ColumnParallelLinear"], 4, 6)
+
+
+# ---- the wrong answers the issue names fail, each in its own task -------------------------------
+
+ROW_WITHOUT_F = ("            x = _SplitLastDim.apply(x)",
+                 "            x = _my_slice(x)            # no backward: x.grad stays a share")
+COLUMN_WITHOUT_F = ("F.linear(_CopyToTP.apply(x), self.weight, self.bias)",
+                    "F.linear(x, self.weight, self.bias)")
+SQUARE_ONLY = ('local = _divide(in_features, tp, "in_features")',
+               'local = _divide(out_features, tp, "out_features")   # the wrong size')
+BLOCK_TWICE = ("        return x.view_as(x)\n\n    @staticmethod\n    def backward(ctx, grad):\n"
+               "        grad = grad.contiguous()",
+               "        x = x.contiguous() / dist.get_world_size()\n        dist.all_reduce(x)   "
+               "# 'make sure every rank has the same input'\n        return x\n\n    @staticmethod\n"
+               "    def backward(ctx, grad):\n        grad = grad.contiguous()")
+GATHERING_LOSS = '''
+def vocab_parallel_cross_entropy(local_logits, targets, vocab_start, ignore_index=-100):
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    widths = [torch.zeros((), dtype=torch.int64) for _ in range(tp)]
+    dist.all_gather(widths, torch.tensor(local_logits.shape[-1]))
+    widest = max(int(w) for w in widths)                    # gloo gathers equal sizes: pad
+    padded = F.pad(local_logits.detach(), (0, widest - local_logits.shape[-1]))
+    pieces = [torch.empty_like(padded) for _ in range(tp)]
+    dist.all_gather(pieces, padded.contiguous())
+    pieces = [piece[:, :int(w)] for piece, w in zip(pieces, widths)]
+    pieces[rank] = local_logits                              # keep the gradient of my columns
+    return F.cross_entropy(torch.cat(pieces, dim=-1), targets, ignore_index=ignore_index)
+'''
+
+
+def _edited(grade_id, old, new):
+    source = _cell(grade_id)
+    assert old in source, f"the solution changed: {old!r} is gone; update this test"
+    return _reference(grade_id, source.replace(old, new))
+
+
+@pytest.mark.timeout(120)
+def test_a_row_layer_without_the_backward_all_reduce_fails(world3):
+    layers = _edited("task1_parallel_linear", *ROW_WITHOUT_F)
+    checks.check_row_parallel(world3, layers["RowParallelLinear"], 36, 10, input_is_parallel=True)
+    with pytest.raises(AssertionError, match="zero elsewhere"):
+        checks.check_row_parallel(world3, layers["RowParallelLinear"], 36, 10,
+                                  input_is_parallel=False)
+    layers = _edited("task1_parallel_linear", *COLUMN_WITHOUT_F)
+    with pytest.raises(AssertionError, match="Megatron's f"):
+        checks.check_column_parallel(world3, layers["ColumnParallelLinear"], 10, 36)
+
+
+@pytest.mark.timeout(120)
+def test_a_split_that_only_works_for_square_weights_fails(world3):
+    layers = _edited("task1_parallel_linear", *SQUARE_ONLY)
+    # square: every value is right; only the error for a size tp does not divide is missed
+    with pytest.raises(AssertionError, match="should raise ValueError naming"):
+        checks.check_row_parallel(world3, layers["RowParallelLinear"], 12, 12,
+                                  input_is_parallel=False)
+    with pytest.raises(AssertionError, match=r"the layer's parameters are .*\(12, 12\)"):
+        checks.check_row_parallel(world3, layers["RowParallelLinear"], 36, 12,
+                                  input_is_parallel=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_block_that_all_reduces_twice_fails_on_the_wire(world3):
+    block = _edited("task2_tp_block", *BLOCK_TWICE)
+    checks.check_block(world3, block["shard_block"], block["tp_block"])     # the values are right
+    with pytest.raises(AssertionError, match="in forward"):
+        checks.check_block_traffic(world3, block["shard_block"], block["tp_block"])
+
+
+@pytest.mark.timeout(120)
+def test_a_fused_qkv_cut_in_plain_chunks_fails(world3):
+    old = ('    local["qkv.weight"] = params["qkv.weight"].view(3, width, hidden)[:, mine]'
+           '.reshape(-1, hidden)\n    local["qkv.bias"] = params["qkv.bias"].view(3, width)[:, mine]'
+           '.reshape(-1)')
+    new = ('    local["qkv.weight"] = params["qkv.weight"].chunk(tp)[rank]\n'
+           '    local["qkv.bias"] = params["qkv.bias"].chunk(tp)[rank]')
+    block = _edited("task2_tp_block", old, new)
+    with pytest.raises(AssertionError, match="output"):
+        checks.check_block(world3, block["shard_block"], block["tp_block"])
+
+
+@pytest.mark.timeout(120)
+def test_a_cross_entropy_that_gathers_the_logits_fails_on_the_wire(world3):
+    namespace = _reference("task3_vocab_parallel_ce", GATHERING_LOSS)
+    loss = namespace["vocab_parallel_cross_entropy"]
+    checks.check_vocab_cross_entropy(world3, loss, tokens=30, vocab=27)      # the values are right
+    with pytest.raises(AssertionError, match="gathering the logits would be"):
+        checks.check_vocab_traffic(world3, loss)
+
+
+@FEW
+@given(st.integers(2, 40), st.integers(3, 30), st.booleans())
+def test_vocab_bounds_cover_the_vocabulary_once(tokens, vocab, uneven):
+    case, logits, targets, bounds = checks._vocab_case("bounds", tokens, vocab, 3, "float32",
+                                                       0.3, -100, uneven)
+    assert bounds[0][0] == 0 and bounds[-1][1] == vocab
+    assert all(e > s for s, e in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert (targets != -100).any()
