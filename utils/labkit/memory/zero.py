@@ -1,0 +1,332 @@
+"""ZeRO stages 0-3 on real ranks, for a stack of MLP blocks (chapter 3, section 3).
+
+    blocks = zero.make_blocks(layers=4, hidden=64, seed=0, world_size=P, stage=3)
+    trainer = zero.ZeroTrainer(blocks, stage=3, lr=1e-3, weight_decay=0.1)
+    loss = trainer.forward(x).float().square().mean()     # x: [B, T, H]
+    loss.backward()
+    trainer.step()
+
+Each block is one unit of sharding (FSDP's "one fully_shard per layer"): its parameters live in
+one flat tensor of N_l = 8H^2 + 5H elements, padded to a multiple of P so that rank r owns the
+slice [r*S, (r+1)*S), S = N_l/P. What a rank keeps, by stage (b: bytes of the compute dtype):
+
+    stage  parameters (b)   gradients (b)      fp32 master + AdamW m, v
+    0      full  [N_l]      full  [N_l]         full   [N_l] x 3
+    1      full  [N_l]      full  [N_l]         shard  [S]   x 3
+    2      full  [N_l]      shard [S]           shard  [S]   x 3
+    3      shard [S]        shard [S]           shard  [S]   x 3
+
+Communication per step: stage 0 all-reduces the gradients; stages 1-2 reduce-scatter them and
+all-gather the updated parameters once per block; stage 3 all-gathers each block's parameters
+before its forward and again before its backward, frees them after use, and reduce-scatters
+each block's gradient as soon as backward produced it. The reduce-scatter here is an all-to-all
+plus a local sum: gloo's own reduce_scatter is an all-reduce underneath and sends twice the bytes
+(measured in the chapter), where NCCL's is a ring that sends (P-1)/P of the data.
+
+Block math, done by hand in `_BlockFunction` so that what is gathered, saved and freed is visible:
+    pre = x W1^T + b1    [B, T, 4H]
+    act = gelu(pre)      [B, T, 4H]
+    out = x + act W2^T + b2
+Saved for backward: x, pre, act: 9 * B*T*H elements per block.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+STAGES = (0, 1, 2, 3)
+
+
+_SUBGROUPS = {}
+
+
+def subgroup(size: int):
+    """The process group of ranks 0 .. size-1 (collective: every rank of the world calls it; made
+    once per world). Ranks outside it get a group they are not part of.
+
+    Made without teaching mode's DETAIL check: the check sends a fingerprint tensor with every
+    collective, and gloo's thread frees it where torch's memory profiler does not look, which
+    breaks the profiler's bookkeeping. The bench's own collectives need no check."""
+    key = (dist.get_world_size(), size, id(dist.group.WORLD))
+    if key not in _SUBGROUPS:
+        if not 1 <= size <= dist.get_world_size():
+            raise ValueError(f"a subgroup of {size} ranks needs 1 <= size <= world size "
+                             f"({dist.get_world_size()})")
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        try:
+            _SUBGROUPS[key] = dist.new_group(list(range(size)))
+        finally:
+            dist.set_debug_level(level)
+    return _SUBGROUPS[key]
+
+
+def block_numel(hidden: int) -> int:
+    """Parameters of one block: W1 [4H, H], b1 [4H], W2 [H, 4H], b2 [H]."""
+    return 8 * hidden * hidden + 5 * hidden
+
+
+def padded_numel(hidden: int, world_size: int) -> int:
+    """N_l rounded up to a multiple of P, so every rank owns an equal slice."""
+    return math.ceil(block_numel(hidden) / world_size) * world_size
+
+
+def initial_flat(hidden: int, seed: int, layer: int, dtype=torch.float64) -> torch.Tensor:
+    """Block `layer`'s parameters as one flat tensor [N_l]; the same in every process."""
+    g = torch.Generator().manual_seed(1000 * seed + layer)
+    scale_in, scale_out = hidden ** -0.5, (4 * hidden) ** -0.5
+    w1 = torch.randn(4 * hidden, hidden, generator=g, dtype=torch.float64) * scale_in
+    b1 = torch.randn(4 * hidden, generator=g, dtype=torch.float64) * 0.02
+    w2 = torch.randn(hidden, 4 * hidden, generator=g, dtype=torch.float64) * scale_out
+    b2 = torch.randn(hidden, generator=g, dtype=torch.float64) * 0.02
+    return torch.cat([w1.flatten(), b1, w2.flatten(), b2]).to(dtype)
+
+
+def unflatten(flat: torch.Tensor, hidden: int):
+    """Views W1 [4H, H], b1 [4H], W2 [H, 4H], b2 [H] of a flat [>= N_l] tensor."""
+    H, sizes = hidden, (4 * hidden * hidden, 4 * hidden, 4 * hidden * hidden, hidden)
+    w1, b1, w2, b2 = flat[:sum(sizes)].split(sizes)
+    return w1.view(4 * H, H), b1, w2.view(H, 4 * H), b2
+
+
+def reduce_scatter(flat: torch.Tensor, received: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ranks of flat [P*S], rank r keeping slice r -> [S]: all-to-all, then a local sum.
+    `received` [P*S] is a buffer for the slices the other ranks send."""
+    world_size = dist.get_world_size(group)
+    dist.all_to_all_single(received, flat, group=group)  # received[q*S:(q+1)*S]: rank q's slice r
+    return received.view(world_size, -1).sum(dim=0)     # [P, S] -> [S]
+
+
+class Buffers:
+    """The communication buffers of one rank, sized for one block and reused by every block.
+
+    Collectives write into these and they are never freed during a step: a constant-size buffer
+    (ZeRO-R's "CB") instead of a fresh tensor per call. (It also keeps torch's CPU memory profiler
+    exact: a tensor handed to gloo can otherwise be freed on gloo's own thread, which the profiler
+    does not watch.) Stage 3 gathers into `gathered`; stages 1-3 receive slices in `received`;
+    stages 2-3 build a block's full gradient in `gradient`; stages 1-2 stage the new bf16 slice
+    in `outgoing`."""
+
+    def __init__(self, numel, shard_numel, stage, dtype, device):
+        def buffer(n, needed):
+            return torch.zeros(n if needed else 0, dtype=dtype, device=device)
+        self.gathered = buffer(numel, stage == 3)           # [N_l]
+        self.gradient = buffer(numel, stage >= 2)           # [N_l]
+        self.received = buffer(numel, stage >= 1)           # [N_l] = [P * S]
+        self.outgoing = buffer(shard_numel, stage in (1, 2))  # [S]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+class _BlockFunction(torch.autograd.Function):
+    """One block's forward and backward, gathering and freeing the parameters explicitly."""
+
+    @staticmethod
+    def forward(ctx, x, leaf, block):
+        w1, b1, w2, b2 = unflatten(block.full_parameters("forward"), block.hidden)
+        pre = x @ w1.T + b1                                  # [B, T, 4H]
+        act = F.gelu(pre)                                    # [B, T, 4H]
+        out = x + act @ w2.T + b2                            # [B, T, H]
+        block.after_use("forward")                           # stage 3: the gathered copy goes
+        ctx.block = block
+        ctx.save_for_backward(x, pre, act)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):                             # grad_out: [B, T, H]
+        x, pre, act = ctx.saved_tensors
+        block, H = ctx.block, ctx.block.hidden
+        full = block.full_parameters("backward")             # stage 3: gathered a second time
+        w1, _, w2, _ = unflatten(full, H)
+        grad_flat = block.gradient_buffer(full)              # [N_l padded], zeroed
+        g_w1, g_b1, g_w2, g_b2 = unflatten(grad_flat, H)
+        rows_out, rows_act = grad_out.reshape(-1, H), act.reshape(-1, 4 * H)   # [BT, H], [BT, 4H]
+        torch.mm(rows_out.T, rows_act, out=g_w2)
+        g_b2.copy_(rows_out.sum(0))
+        grad_pre = torch.ops.aten.gelu_backward(grad_out @ w2, pre)            # [B, T, 4H]
+        rows_pre = grad_pre.reshape(-1, 4 * H)
+        torch.mm(rows_pre.T, x.reshape(-1, H), out=g_w1)
+        g_b1.copy_(rows_pre.sum(0))
+        grad_x = grad_out + grad_pre @ w1                    # [B, T, H]
+        block.after_use("backward")
+        return grad_x, block.reduce_gradient(grad_flat), None
+
+
+class Block(nn.Module):
+    """x + W2 gelu(W1 x + b1) + b2, sharded for ZeRO `stage` over the ranks of `group`.
+
+    Parameters the optimizer and the profiler see: `flat` [N_l] (stages 0-2), `shard` [S] (stages
+    2-3; in stage 2 a view of this rank's slice of `flat`), and in stage 3 `gathered` [N_l], the
+    buffer the full weights are gathered into (no gradient: registered so that torch's memory
+    profiler files the gathered weights as parameters)."""
+
+    def __init__(self, hidden, stage, world_size, rank, initial, group=None):
+        super().__init__()
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+        self.hidden, self.stage, self.world_size, self.rank = hidden, stage, world_size, rank
+        self.group = group
+        self.reshard_after_forward = True
+        self.numel = padded_numel(hidden, world_size)        # N_l padded to a multiple of P
+        self.shard_numel = self.numel // world_size          # S
+        flat = torch.zeros(self.numel, dtype=initial.dtype, device=initial.device)
+        flat[:initial.numel()] = initial
+        mine = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+        self.held = False                                    # stage 3: is the gathered copy ours?
+        self.gathered = None
+        if stage <= 1:
+            self.flat, self.shard = nn.Parameter(flat), None
+        elif stage == 2:
+            self.flat = nn.Parameter(flat, requires_grad=False)
+            self.shard = nn.Parameter(self.flat.data[mine])  # a view: no extra memory
+        else:
+            self.flat, self.shard = None, nn.Parameter(flat[mine].clone())
+        self.buffers = None                                  # set by ZeroTrainer
+
+    def attach(self, buffers):
+        self.buffers = buffers
+        if self.stage == 3 and self.reshard_after_forward:
+            self.gathered = nn.Parameter(buffers.gathered, requires_grad=False)   # shared
+
+    def keep_after_forward(self):
+        """Stage 3 without resharding after forward (FSDP's reshard_after_forward=False): the
+        gathered copy stays from forward to backward, so this block needs a buffer of its own."""
+        self.reshard_after_forward = False
+        if self.stage == 3:
+            self.gathered = nn.Parameter(torch.zeros(self.numel, dtype=self.shard.dtype,
+                                                     device=self.shard.device), requires_grad=False)
+
+    def forward(self, x):                                    # x: [B, T, H]
+        return _BlockFunction.apply(x, self.flat if self.stage <= 1 else self.shard, self)
+
+    def full_parameters(self, phase):
+        """The whole flat parameter tensor [N_l]: held (stages 0-2), or all-gathered (stage 3)."""
+        if self.stage < 3:
+            return self.flat.detach()
+        if not self.held:
+            dist.all_gather_single(self.gathered.data, self.shard.detach(), group=self.group)
+            self.held = True
+        return self.gathered.detach()
+
+    def after_use(self, phase):
+        """Stage 3 lets go of the gathered copy after backward, and after forward when resharding."""
+        if self.stage == 3 and (phase == "backward" or self.reshard_after_forward):
+            self.held = False
+
+    def gradient_buffer(self, like):
+        """Where backward writes this block's full gradient: a fresh tensor (stages 0-1, handed to
+        autograd, which adds it to flat.grad) or the shared buffer (stages 2-3, reduce-scattered
+        at once)."""
+        if self.stage <= 1:
+            return torch.zeros_like(like)
+        self.buffers.gradient.zero_()
+        return self.buffers.gradient
+
+    def reduce_gradient(self, grad_flat):
+        """Stages 0-1 keep the full gradient [N_l]; stages 2-3 keep only their slice [S], summed."""
+        if self.stage <= 1:
+            return grad_flat
+        return reduce_scatter(grad_flat, self.buffers.received, self.group)
+
+
+def make_blocks(layers, hidden, seed, world_size, rank, stage, dtype=torch.bfloat16, device="cpu",
+                group=None, first_layer=0):
+    """Blocks first_layer .. first_layer + layers - 1 of the bench model, sharded for `stage`."""
+    return nn.ModuleList(
+        Block(hidden, stage, world_size, rank, initial_flat(hidden, seed, first_layer + i, dtype).to(device),
+              group=group) for i in range(layers))
+
+
+class ZeroTrainer:
+    """AdamW with fp32 master weights over ZeRO-sharded blocks (see the module docstring).
+
+    step(): averages the gradients over the ranks (stage 0 all-reduce, stage 1 reduce-scatter, stages
+    2-3 already reduce-scattered in backward), steps this rank's fp32 master block by block (one
+    block's fp32 gradient alive at a time), and writes the new weights back (stage 0 copies,
+    stages 1-2 all-gather, stage 3 keeps its shard)."""
+
+    def __init__(self, blocks, stage, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, master_dtype=torch.float32):
+        self.blocks, self.stage, self.group = blocks, stage, group
+        self.world_size = dist.get_world_size(group)
+        weights = [b.flat if b.flat is not None else b.shard for b in blocks]
+        self.buffers = Buffers(max(b.numel for b in blocks), max(b.shard_numel for b in blocks),
+                               stage, weights[0].dtype, weights[0].device)
+        for block in blocks:
+            block.attach(self.buffers)
+        self.masters, self.optimizers = [], []               # fp32 [N_l] (stage 0) or [S]
+        for block in blocks:
+            source = block.flat if stage == 0 else (
+                block.shard if stage >= 2 else block.flat[block.rank * block.shard_numel:]
+                [:block.shard_numel])
+            master = source.detach().to(master_dtype).clone().requires_grad_(True)
+            self.masters.append(master)
+            self.optimizers.append(torch.optim.AdamW([master], lr=lr, betas=betas, eps=eps,
+                                                     weight_decay=weight_decay, foreach=False))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def _summed_gradient(self, block):
+        if self.stage == 0:
+            dist.all_reduce(block.flat.grad, group=self.group)          # [N_l], summed
+            return block.flat.grad
+        if self.stage == 1:
+            received = self.buffers.received[:block.numel]
+            return reduce_scatter(block.flat.grad, received, self.group)    # [N_l] -> [S]
+        return block.shard.grad                                         # [S], summed in backward
+
+    @torch.no_grad()
+    def step(self):
+        for block, master, optimizer in zip(self.blocks, self.masters, self.optimizers):
+            master.grad = self._summed_gradient(block).to(master.dtype, copy=True)
+            master.grad.div_(self.world_size)                           # the mean over ranks
+            optimizer.step()
+            master.grad = None
+            if self.stage == 0:
+                block.flat.copy_(master)
+            elif self.stage <= 2:                                       # everyone gets every slice
+                outgoing = self.buffers.outgoing[:block.shard_numel]
+                outgoing.copy_(master)
+                dist.all_gather_single(block.flat.data, outgoing, group=self.group)
+            else:
+                block.shard.copy_(master)
+            for p in (block.flat, block.shard):
+                if p is not None and p.grad is not None:
+                    p.grad.zero_()                                      # kept: a steady buffer
+
+    def roles(self) -> dict:
+        """The tensors this rank keeps, by ledger category (after a first step, so that the
+        optimizer states exist): parameters, gradients, optimizer_states (fp32 master, m, v,
+        step), buffers."""
+        parameters, gradients = [], []
+        for block in self.blocks:
+            for p in (block.flat, block.shard):
+                if p is not None:
+                    parameters.append(p)
+                    if p.grad is not None:
+                        gradients.append(p.grad)
+        states = list(self.masters) + [t for opt in self.optimizers for state in opt.state.values()
+                                        for t in state.values() if torch.is_tensor(t)]
+        buffers = [t for t in vars(self.buffers).values() if t.numel()]
+        buffers += [b.gathered for b in self.blocks if b.gathered is not None]
+        return {"parameters": parameters, "gradients": gradients, "optimizer_states": states,
+                "buffers": buffers}
+
+    def full_weights(self):
+        """Every block's parameters [N_l] in float64, gathered (for comparing with a reference)."""
+        out = []
+        for block in self.blocks:
+            if self.stage < 3:
+                out.append(block.flat.detach().double().clone())
+            else:
+                out.append(block.full_parameters("check").double().clone())
+                block.held = False
+        return out

@@ -1,0 +1,132 @@
+"""ZeRO inside the stages of a pipeline (chapter 3, section 6; lab 3, task 3).
+
+    case = pipeline.case(zero_stage=3, layers=2, microbatches=4, schedule="1f1b")
+    with world.tracing() as trace:                 # a world of pp * dp ranks
+        world.call(pipeline.train_step, args=(case,))
+    pipeline.count(trace, rank=0, "all_gather_single")
+
+Rank r is data-parallel rank r % dp of pipeline stage r // dp; it sends activations to r + dp and
+gradients back to r - dp. Each stage holds `layers` blocks of `labkit.memory.zero`, sharded with
+ZeRO `zero_stage` over the dp ranks of its stage. One training step runs `microbatches` forwards
+and backwards in the order of the schedule, then one optimizer step.
+
+Stage 3 gathers a block's parameters whenever a forward or a backward needs them and they are not
+held: with `reshard_after_forward` (the default) they are freed after every forward and after every
+backward, so every microbatch gathers each block twice. Stage 1 gathers once per block per step,
+after the optimizer step, whatever the number of microbatches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.memory import zero
+
+SCHEDULES = ("gpipe", "1f1b")
+_GROUPS = {}                     # (world size, dp) -> this rank's dp group, made once per world
+
+
+def schedule(kind: str, pp: int, stage: int, microbatches: int) -> list:
+    """The order of work on one pipeline stage: ("F", i) and ("B", i) for microbatch i.
+
+    GPipe: every forward, then every backward. 1F1B: pp - stage - 1 forwards to fill the pipe,
+    then one forward and one backward in turn, then the remaining backwards."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
+    if microbatches < 1 or not 0 <= stage < pp:
+        raise ValueError(f"need microbatches >= 1 and 0 <= stage < pp, got m={microbatches}, "
+                         f"stage={stage}, pp={pp}")
+    m = microbatches
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(pp - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(m - warmup, m)]
+    return order
+
+
+def case(zero_stage=3, layers=2, microbatches=4, schedule="1f1b", pp=2, hidden=16,
+         micro_batch=2, seq=4, reshard_after_forward=True, seed=0) -> dict:
+    """Plain data describing one pipeline training step (what `train_step` runs on every rank)."""
+    if zero_stage not in zero.STAGES:
+        raise ValueError(f"zero_stage must be one of {zero.STAGES}, got {zero_stage!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    for name, value in (("layers", layers), ("microbatches", microbatches), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return dict(zero_stage=zero_stage, layers=layers, microbatches=microbatches, schedule=schedule,
+                pp=pp, hidden=hidden, micro_batch=micro_batch, seq=seq,
+                reshard_after_forward=bool(reshard_after_forward), seed=seed)
+
+
+def _dp_group(dp):
+    """This rank's data-parallel group (every rank creates every group, in the same order)."""
+    world_size = dist.get_world_size()
+    key = (world_size, dp, id(dist.group.WORLD))
+    if key not in _GROUPS:
+        mine = None
+        for first in range(0, world_size, dp):
+            group = dist.new_group(list(range(first, first + dp)))
+            if first <= dist.get_rank() < first + dp:
+                mine = group
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+def train_step(case: dict) -> dict:
+    """On every rank: one pipeline step (see the module docstring). Returns what this rank did:
+    its stage, its dp rank and the order of its work."""
+    rank, world_size, pp = dist.get_rank(), dist.get_world_size(), case["pp"]
+    if world_size % pp:
+        raise ValueError(f"world size ({world_size}) is not a multiple of pp ({pp})")
+    dp = world_size // pp
+    stage, dp_rank = divmod(rank, dp)
+    group = _dp_group(dp)
+    H, L, m = case["hidden"], case["layers"], case["microbatches"]
+    blocks = zero.make_blocks(L, H, case["seed"], dp, dp_rank, case["zero_stage"],
+                              dtype=torch.float32, group=group, first_layer=stage * L)
+    if not case["reshard_after_forward"]:
+        for block in blocks:
+            block.keep_after_forward()
+    trainer = zero.ZeroTrainer(blocks, case["zero_stage"], group=group, lr=1e-3)
+    g = torch.Generator().manual_seed(case["seed"] * 7919 + dp_rank)
+    shape = (case["micro_batch"], case["seq"], H)                      # [b, T, H]
+    inputs, outputs, works = {}, {}, []
+    order = schedule(case["schedule"], pp, stage, m)
+    for kind, i in order:
+        if kind == "F":
+            if stage == 0:
+                x = torch.randn(shape, generator=torch.Generator().manual_seed(
+                    case["seed"] * 7919 + 31 * dp_rank + i))
+            else:
+                x = torch.empty(shape)
+                dist.recv(x, src=rank - dp)
+                x.requires_grad_(True)
+            out = trainer.forward(x)
+            inputs[i], outputs[i] = x, out
+            if stage < pp - 1:
+                works.append(dist.isend(out.detach(), dst=rank + dp))
+        else:
+            out = outputs.pop(i)
+            if stage == pp - 1:
+                (out.square().mean() / m).backward()
+            else:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=rank + dp)
+                out.backward(grad)
+            x = inputs.pop(i)
+            if stage > 0:
+                works.append(dist.isend(x.grad, dst=rank - dp))
+    for work in works:
+        work.wait()
+    trainer.step()
+    del g
+    return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order]}
+
+
+def count(trace, rank: int, op) -> int:
+    """How many `op` calls (a name or a tuple of names) `rank` made in the trace."""
+    return len(trace.ops(rank, op))
