@@ -41,6 +41,8 @@ def torch_step(name: str, case: dict, v: int = 1, costs=None, mean_loss: bool = 
     """On every rank: one step of torch's schedule `name` ("GPipe", "1F1B", "Interleaved1F1B")
     with v chunks per rank. case: as labkit.pipeline.executor.pipeline_step.
 
+    costs: seconds per action of a whole stage, as for pipeline_step; a chunk, 1/v of a stage's
+    layers, is padded to 1/v of them.
     mean_loss: use the habit of torch's examples instead (each microbatch's own mean loss, and
     torch divides the gradients by m): right only when every microbatch has as many tokens.
     Returns {"grads", "events": [(kind, microbatch, start, end, chunk)], "order": the actions in
@@ -64,8 +66,9 @@ def torch_step(name: str, case: dict, v: int = 1, costs=None, mean_loss: bool = 
     for chunk in range(v):
         s = virtual_stage(rank, chunk, p)
         stage = pipelining.PipelineStage(pieces[s], s, p * v, device())
-        _recorded(stage, "forward_one_chunk", "F", chunk, events, costs)
-        _recorded(stage, "backward_one_chunk", "B", chunk, events, costs)
+        per_chunk = {kind: seconds / v for kind, seconds in (costs or {}).items()}
+        _recorded(stage, "forward_one_chunk", "F", chunk, events, per_chunk)
+        _recorded(stage, "backward_one_chunk", "B", chunk, events, per_chunk)
         stages.append(stage)
 
     def token_loss(logits, y):                 # logits: [b, T, V], y: [b, T]
