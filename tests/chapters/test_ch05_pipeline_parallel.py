@@ -289,6 +289,36 @@ def test_reference_executor_exact_for_every_schedule_and_memory_as_the_schedule_
             assert virtual == pytest.approx(float(pipeline.check_schedule(schedule, m).bubble or 0))
 
 
+@pytest.mark.timeout(120)
+def test_reference_executor_in_float32_with_a_frozen_layer_and_two_steps(world3):
+    """Used the way a training loop uses it: float32, a frozen block (no gradient, and none
+    expected), gradients accumulating over two steps unless zeroed."""
+    results = world3.run(_two_steps_float32_frozen)
+    tokens, targets = pipeline.microbatches(4, 3)
+    reference = pipeline.reference_gradients(3, tokens, targets, dtype=torch.float32)
+    reference["blocks.2.weight"].zero_()
+    reference["blocks.2.bias"].zero_()
+    once = {name: g for r in results for name, g in r[0].items()}
+    twice = {name: g for r in results for name, g in r[1].items()}
+    checks.check(once, reference, "float32 gradients", rtol=1e-4, atol=1e-6)
+    checks.check(twice, {n: 2 * g for n, g in reference.items()}, "accumulated", rtol=1e-4, atol=1e-6)
+
+
+def _two_steps_float32_frozen():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    model = pipeline.make_model(3, dtype=torch.float32)
+    model.blocks[2].requires_grad_(False)
+    piece = pipeline.cut(model, p)[rank]
+    tokens, targets = pipeline.microbatches(4, 3)
+    shape = pipeline.bench.activation_shape(tokens)
+    out = []
+    for _ in range(2):                                 # no zero_grad: the second step accumulates
+        pipeline.run_actions(one_f_one_b(p, 3)[rank], piece, shape, tokens if rank == 0 else None,
+                             targets if rank == p - 1 else None, dtype=torch.float32)
+        out.append(piece.gradients())
+    return out
+
+
 def mean_per_microbatch(actions, chunks, activation_shape, tokens=None, targets=None):
     """The habit: each microbatch's own mean loss, never divided by m (off by about m)."""
     original = pipeline.bench.loss_sum

@@ -157,9 +157,9 @@ def token_count(targets) -> int:
 
 
 def reference_gradients(model_seed: int, tokens, targets, layers: int = LAYERS,
-                        hidden: int = HIDDEN) -> dict:
+                        hidden: int = HIDDEN, dtype=torch.float64) -> dict:
     """One process, every microbatch: the gradient of L = sum_i S_i / sum_i n_i."""
-    model = make_model(model_seed, layers, hidden)
+    model = make_model(model_seed, layers, hidden, dtype)
     total = sum(loss_sum(model(t), y)[0] for t, y in zip(tokens, targets))
     count = token_count(targets)
     if count == 0:

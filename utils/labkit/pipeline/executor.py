@@ -105,7 +105,9 @@ def run_actions(actions, piece, activation_shape, tokens=None, targets=None, *, 
 
     Returns {"events": [(kind, microbatch, start, end, virtual start, virtual end)], "loss": L on
     the last stage, "peak_bytes", "bytes_after_first_forward"} (memory figures when
-    measure_memory; virtual times None without clock).
+    measure_memory; virtual times None without clock). The weight gradients accumulate into the
+    piece's p.grad, as any backward does: zero them between steps. Frozen parameters
+    (requires_grad False) get none.
     """
     from labkit.pipeline.schedules import unit_cost
     actions = normalise([actions])[0]
@@ -220,8 +222,8 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
                   clock_costs=None, measure_memory=False):
     """On every rank of the world: one step of `schedule` on the bench model of `case`.
 
-    case: {"model_seed", "data_seed", "m"} and optionally "b", "T", "layers", "hidden",
-    "weights" (relative stage sizes). Each rank builds the same model, keeps its piece (stage = rank), and runs its actions;
+    case: {"model_seed", "data_seed", "m"} and optionally "b", "T", "layers", "hidden", "dtype"
+    ("float64" by default) and "weights" (relative stage sizes). Each rank builds the same model, keeps its piece (stage = rank), and runs its actions;
     stage 0 sees the tokens, the last stage the targets. costs: one dict for every stage, or a list
     of dicts, one per stage (unbalanced stages); clock_costs likewise. Returns run_actions'
     result plus "grads".
@@ -232,8 +234,9 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
     if len(schedule) != p:
         raise ValueError(f"the schedule has {len(schedule)} stages, the world {p} ranks")
     from labkit import device
+    dtype = getattr(torch, case.get("dtype", "float64"))
     model = bench.make_model(case["model_seed"], case.get("layers", bench.LAYERS),
-                             case.get("hidden", bench.HIDDEN))
+                             case.get("hidden", bench.HIDDEN), dtype=dtype)
     piece = bench.cut(model, p, case.get("weights"))[rank].to(device())
     tokens, targets = bench.microbatches(case["data_seed"], case["m"], case.get("b", 2),
                                          case.get("T", 6))
@@ -242,7 +245,7 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
     result = run_actions(schedule[rank], piece,
                          bench.activation_shape(tokens, case.get("hidden", bench.HIDDEN)),
                          tokens if rank == 0 else None, targets if rank == p - 1 else None,
-                         costs=mine, sends=sends, clock=clock, clock_costs=my_clock,
+                         dtype=dtype, costs=mine, sends=sends, clock=clock, clock_costs=my_clock,
                          measure_memory=measure_memory)
     result["grads"] = piece.gradients()
     return result
