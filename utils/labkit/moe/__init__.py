@@ -83,9 +83,9 @@ def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
     Chapter 7, section 2.
     """
     for name, value in (("tokens", tokens), ("top_k", top_k), ("experts", experts)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "tokens" else 1):
-            raise ValueError(f"{name} must be an int >= {0 if name == 'tokens' else 1}, "
-                             f"got {value!r}")
+        least = 0 if name == "tokens" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if not factor > 0:
         raise ValueError(f"the capacity factor must be > 0, got {factor!r}")
     return math.ceil(round(tokens * top_k * factor / experts, 9))

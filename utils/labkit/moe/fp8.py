@@ -95,5 +95,5 @@ def cast_without_scale(values) -> list:
 
 
 def ratio_to_bf16(hidden: int, block: int = BLOCK) -> float:
-    """FP8 row bytes over BF16 row bytes: (H + 4 ceil(H / block)) / 2H (about 0.52 for block 128)."""
+    """FP8 row bytes over BF16 row bytes: (H + 4 ceil(H / block)) / 2H (0.52 for block 128)."""
     return row_bytes(hidden, block) / (2 * hidden) if hidden else math.nan

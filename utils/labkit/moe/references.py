@@ -56,10 +56,12 @@ def verify_drops(dropped, weights, chosen, experts, cap, case):
             return (f"expert {e} has {load} assignments and keeps {kept}; with "
                     f"{'no capacity' if cap is None else f'capacity C = {cap}'} it keeps {want}")
         kept_weights, dropped_weights = weights[mine & ~dropped], weights[mine & dropped]
-        if len(kept_weights) and len(dropped_weights) and dropped_weights.max() > kept_weights.min():
+        if len(kept_weights) and len(dropped_weights) \
+                and dropped_weights.max() > kept_weights.min():
             t, j = ((weights == dropped_weights.max()) & mine & dropped).nonzero()[0].tolist()
-            return (f"expert {e} dropped token {t}'s choice {j} (weight {weights[t, j].item():.4f}) "
-                    f"but kept an assignment of weight {kept_weights.min().item():.4f}")
+            return (f"expert {e} dropped token {t}'s choice {j} (weight "
+                    f"{weights[t, j].item():.4f}) but kept an assignment of weight "
+                    f"{kept_weights.min().item():.4f}")
     return None
 
 
