@@ -34,6 +34,7 @@ class Kernel:
                 (out if content["name"] == "stdout" else err).append(content["text"])
             elif kind == "error":
                 error = content["ename"] + ": " + content["evalue"]
+                self.last_traceback = "\n".join(content.get("traceback", []))
             elif kind in ("execute_result", "display_data"):
                 out.append(content["data"].get("text/plain", "") + "\n")
                 display_id = content.get("transient", {}).get("display_id")
@@ -81,6 +82,9 @@ def test_cell_functions_run_by_value_and_errors_show_the_cell_line(kernel):
         "world.run(broken)\n")
     assert error.startswith("RankError: rank 1 raised ZeroDivisionError")
     assert "return value / (dist.get_rank() - 1)   # rank 1 divides by zero" in error
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", kernel.last_traceback)     # without colours
+    assert "world.run(broken)" in shown                              # the cell's own line
+    assert "launcher.py" not in shown and "raise RankError" not in shown, shown
 
 
 def test_ranks_magic_keeps_a_namespace_per_rank(kernel):

@@ -17,14 +17,17 @@ class RankError(LabkitError):
     """Code running on a rank raised.
 
     `rank` is the first rank that raised, `traceback` its traceback (your cell's lines included),
-    `errors` maps every rank that raised to its traceback text.
+    `errors` maps every rank that raised to its traceback text, `kind` names the exception's class
+    on that rank (`"ValueError"`) and `module` its module (`"builtins"`).
     """
 
-    def __init__(self, message, rank, traceback, errors):
+    def __init__(self, message, rank, traceback, errors, kind=None, module=None):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.errors = errors
+        self.kind = kind
+        self.module = module
 
 
 class RankDied(LabkitError):

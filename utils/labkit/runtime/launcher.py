@@ -33,8 +33,8 @@ import cloudpickle
 
 from labkit.runtime import diagnose, display
 from labkit.runtime.output import RankOutput
-from labkit.errors import (CallInterrupted, CallTimeout, PicklingError, RankDied, RankError,
-                           WorldError)
+from labkit.errors import (CallInterrupted, CallTimeout, LabkitError, PicklingError, RankDied,
+                           RankError, WorldError)
 
 GRACE_SECONDS = 1.5        # how long ranks may keep running after another rank failed
 START_SECONDS = 120.0      # a cold world on a busy 2-core machine, forkserver start included
@@ -166,6 +166,7 @@ class World:
     """
 
     plain = False          # results come back pickled (a grader's world: plain data only)
+    echo = True            # show what ranks print as they print it (else only in last_output)
     records_always = False # every reply carries the call's communication records (hints)
     MARK_WAIT = 2.0        # seconds the other ranks get to reach a mark the first one reached
 
@@ -311,7 +312,7 @@ class World:
         messages = []
         for handle, (kind, r) in handles.wait(timeout):
             if kind == "out":
-                r.output.echo = not quiet
+                r.output.echo = self.echo and not quiet
                 r.output.read(handle)
                 if handle in r.output.closed:
                     handles.remove(handle)
@@ -399,10 +400,10 @@ class World:
         sources = self._new_sources()
         if kind == "exec":
             sources["__filename__"] = filename or f"<ranks cell {task_id}>"
-        view = display.live_view()
+        view = display.live_view() if self.echo else None
         for r in self._ranks:
             r.output.take_lines()
-            r.output.echo = True
+            r.output.echo = self.echo
             r.output.sink = None if view is None else view.add
         if isinstance(payload, list):               # run_each: one payload per rank
             messages = {rank: ForkingPickler.dumps((kind, task_id, payload[rank], sources))
@@ -541,7 +542,8 @@ class World:
                    f"{first['traceback']}" + "".join(f"\n{o}" for o in others)
                    + "".join(f"\n\n{p}" for p in parts))
         raise RankError(message, rank, first["traceback"],
-                        {r: e["traceback"] for r, e in errors.items()})
+                        {r: e["traceback"] for r, e in errors.items()}, kind=first.get("type"),
+                        module=first.get("module"))
 
     # -- tracing and faults -----------------------------------------------------------------
     def _control(self, rank, message, expect):
@@ -645,6 +647,41 @@ class _Marks:
             del self.waiting[label]
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _without_labkit_frames(tb):
+    """The traceback chain without the frames of labkit's own files (a student's cell frames and
+    the error's message are what matter)."""
+    kept = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+            kept.append(tb)
+        tb = tb.tb_next
+    for first, second in zip(kept, kept[1:]):
+        first.tb_next = second
+    if kept:
+        kept[-1].tb_next = None
+    return kept[0] if kept else None
+
+
+def _hide_labkit_frames_in_ipython():
+    """In a kernel: labkit's errors show the cell's lines and the diagnosis, no labkit frame
+    (IPython's __tracebackhide__ still shows the frame that raised)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or getattr(shell, "_labkit_frames_hidden", False):
+        return
+
+    def show(self, etype, value, tb, tb_offset=None):
+        self.showtraceback((etype, value, _without_labkit_frames(tb)), tb_offset=tb_offset)
+    shell.set_custom_exc((LabkitError,), show)
+    shell._labkit_frames_hidden = True
+
+
 def _first_line(text, limit=300):
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[:limit] + " ..."
@@ -715,6 +752,7 @@ def world(n, backend="auto", timeout=60.0, teaching=True):
         return _CURRENT
     if _CURRENT is not None:
         _CURRENT.close()
+    _hide_labkit_frames_in_ipython()
     _CURRENT = World(n, backend, float(timeout), bool(teaching))
     return _CURRENT
 

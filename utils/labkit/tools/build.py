@@ -33,6 +33,7 @@ class Result:
     executed: Path
     html: Path | None
     error: str = field(default="")
+    formulas: list = field(default_factory=list)   # labkit.formulas records of the run
 
 
 def find_notebooks(root: Path, only: str | None = None) -> list[Path]:
@@ -53,10 +54,17 @@ def has_parameters_cell(path: Path) -> bool:
     return any("parameters" in c.get("metadata", {}).get("tags", []) for c in cells)
 
 
+TEMPLATES = Path(__file__).parent / "templates"
+
+
 def render_html(executed: Path, html: Path) -> None:
+    """The executed notebook as a page that reads offline (math as MathML, no MathJax)."""
     import nbformat
     from nbconvert import HTMLExporter
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+    from labkit.tools.mathml import notebook_to_mathml
+    exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)])
+    body, _ = exporter.from_notebook_node(
+        notebook_to_mathml(nbformat.read(str(executed), as_version=4)))
     html.parent.mkdir(parents=True, exist_ok=True)
     html.write_text(body, encoding="utf-8")
 
@@ -109,12 +117,88 @@ def execute_one(root: Path, notebook: Path, out: Path, parameters: dict, kernel:
             status = "FAILED"
             error = f"{_short_error(exc)} (kernel log: {log})"
     seconds = time.perf_counter() - start
+    records = []
     try:
         if executed.exists():
+            records = formula_records(executed)
             render_html(executed, html)
     except Exception as exc:  # a rendering problem must not hide the execution result
         error = error or f"HTML rendering failed: {exc}"
-    return Result(notebook, status, seconds, executed, html if html.exists() else None, error)
+    return Result(notebook, status, seconds, executed, html if html.exists() else None, error,
+                  records)
+
+
+def formula_records(executed: Path) -> list:
+    """The labkit.formulas checks an executed notebook recorded (see labkit/formulas.py)."""
+    from labkit.formulas import records_in_notebook
+    return records_in_notebook(json.loads(executed.read_text(encoding="utf-8")))
+
+
+def _number(values: list, unit: str) -> str:
+    text = (f"{values[0]:.4g}" if len(values) == 1 else
+            f"{len(values)} values, {min(values):.3g} to {max(values):.3g}")
+    return f"{text} {unit}".strip()
+
+
+def formula_table(results: list) -> list[tuple]:
+    """Rows (notebook, formula, predicted, measured, error, tolerance, status)."""
+    rows = []
+    for result in results:
+        for r in result.formulas:
+            tolerance = " or ".join(t for t in (
+                f"{r['rel_tol']:.3g} rel" if r.get("rel_tol") else "",
+                f"{r['abs_tol']:.3g} abs" if r.get("abs_tol") else "") if t) or "exact"
+            if r.get("bound"):
+                tolerance += f" ({r['bound']} bound)"
+            error = r.get("worst_error")
+            rows.append((str(result.notebook), r["name"], _number(r["predicted"], r.get("unit", "")),
+                         _number(r["measured"], r.get("unit", "")),
+                         "inf" if error is None else f"{error:.2%}", tolerance,
+                         "ok" if r.get("passed") else "FAILED"))
+    return rows
+
+
+def write_formula_ledger(results: list, out: Path) -> int:
+    """build/formulas.md and build/formulas.json; returns the number of checks."""
+    rows = formula_table(results)
+    head = ("notebook", "formula", "predicted", "measured", "error", "tolerance", "status")
+    lines = ["# Formulas checked against measurements on real ranks", "",
+             f"{len(rows)} checks, written by `labkit build` from the executed notebooks "
+             "(labkit.formulas.check).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    (out / "formulas.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / "formulas.json").write_text(json.dumps(
+        [dict(r, notebook=str(res.notebook)) for res in results for r in res.formulas],
+        indent=1), encoding="utf-8")
+    return len(rows)
+
+
+def write_index(results: list, out: Path, root: Path) -> Path:
+    """build/html/index.html: every notebook (status, time, links) and the formula ledger."""
+    import html as html_module
+    esc = html_module.escape
+    rows = []
+    for r in results:
+        link = (f'<a href="{esc(str(r.html.relative_to(out / "html")))}">{esc(str(r.notebook))}</a>'
+                if r.html else esc(str(r.notebook)))
+        rows.append(f"<tr><td>{link}</td><td>{esc(r.status)}</td><td>{r.seconds:.1f} s</td>"
+                    f"<td>{len(r.formulas)}</td><td>{esc(r.error)}</td></tr>")
+    formulas = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+                       for row in formula_table(results))
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>The course, executed</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}</style></head><body>
+<h1>The course, executed</h1>
+<table><tr><th>notebook</th><th>status</th><th>time</th><th>formula checks</th><th>error</th></tr>
+{"".join(rows)}</table>
+<h2>Formulas checked against measurements ({len(formula_table(results))})</h2>
+<table><tr><th>notebook</th><th>formula</th><th>predicted</th><th>measured</th><th>error</th>
+<th>tolerance</th><th>status</th></tr>{formulas}</table></body></html>"""
+    index = out / "html" / "index.html"
+    index.parent.mkdir(parents=True, exist_ok=True)
+    index.write_text(page, encoding="utf-8")
+    return index
 
 
 def _short_error(exc: Exception) -> str:
@@ -182,7 +266,12 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in results if r.status != "ok"]
     total = time.perf_counter() - total_start
     print("\n" + table)
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed in {total:.1f}s")
+    checks = write_formula_ledger(results, out)
+    index = write_index(results, out, root)
+    with_checks = sum(1 for r in results if r.formulas)
+    print(f"\n{checks} formula checks in {with_checks} notebooks: {out / 'formulas.md'}; "
+          f"index: {index}")
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed in {total:.1f}s")
     (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
     return 1 if failed else 0
 
