@@ -30,28 +30,52 @@ RTOL, ATOL = 1e-7, 1e-10
 
 
 class TinyLM(nn.Module):
-    """tokens [B, T] -> logits [B, T, V]: embedding, `layers` GELU blocks, output head."""
+    """tokens [B, T] -> logits [B, T, V]: embedding, `layers` GELU blocks, output head.
 
-    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 1):
+    Options that a real model has and a synchroniser must survive (all off by default):
+    `tied`: the head's weight is the embedding's (one parameter used twice, as in GPT-2);
+    `optional`: one more block, `detour`, used only when the forward is asked to
+    (`model(tokens, detour=True)`): a parameter that gets no gradient in some steps or on some
+    ranks, like an expert no token was routed to.
+    """
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 1,
+                 tied: bool = False, optional: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
         self.head = nn.Linear(hidden, vocab)
+        if tied:
+            self.head.weight = self.embed.weight    # [V, H] both: one parameter, two uses
+        self.detour = nn.Linear(hidden, hidden) if optional else None
 
-    def forward(self, tokens):
+    def forward(self, tokens, detour: bool = False):
         x = self.embed(tokens)                      # x: [B, T, H]
         for block in self.blocks:
             x = x + F.gelu(block(x))                # [B, T, H]
+        if detour and self.detour is not None:
+            x = x + F.gelu(self.detour(x))          # [B, T, H]
         return self.head(x)                         # logits: [B, T, V]
 
 
 def make_model(seed: int = 0, layers: int = 1, hidden: int = HIDDEN, dtype=torch.float64,
-               device="cpu") -> TinyLM:
-    """A TinyLM whose weights depend only on `seed`: every process that calls this agrees."""
+               device="cpu", tied: bool = False, optional: bool = False,
+               frozen: tuple = ()) -> TinyLM:
+    """A TinyLM whose weights depend only on `seed`: every process that calls this agrees.
+
+    `frozen`: names of parameters that get requires_grad=False (fine-tuning keeps them fixed).
+    """
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = TinyLM(hidden=hidden, layers=layers).to(dtype)
+    model = TinyLM(hidden=hidden, layers=layers, tied=tied, optional=optional).to(dtype)
     torch.random.set_rng_state(generator_state)
+    names = dict(model.named_parameters())
+    unknown = sorted(set(frozen) - set(names))
+    if unknown:
+        raise ValueError(f"frozen names {unknown} are not parameters of this model; its "
+                         f"parameters are {sorted(names)}")
+    for name in frozen:
+        names[name].requires_grad_(False)
     return model.to(device)
 
 
@@ -83,11 +107,13 @@ def pad(sequences, extra: int = 0, device="cpu"):
     return tokens.to(device), targets.to(device)
 
 
-def token_loss_sum(model, sequences, extra_padding: int = 0):
-    """(S, n): the summed cross-entropy over valid tokens (differentiable) and their count."""
+def token_loss_sum(model, sequences, extra_padding: int = 0, detour: bool = False):
+    """(S, n): the summed cross-entropy over valid tokens (differentiable) and their count.
+
+    `detour`: run the model's optional block (TinyLM(optional=True)) for these sequences."""
     device = next(model.parameters()).device
     tokens, targets = pad(sequences, extra_padding, device)              # [B, T], [B, T]
-    logits = model(tokens)                                               # [B, T, V]
+    logits = model(tokens, detour=True) if detour else model(tokens)     # [B, T, V]
     total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                             ignore_index=IGNORE, reduction="sum")
     return total, int((targets != IGNORE).sum())
