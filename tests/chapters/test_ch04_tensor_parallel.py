@@ -228,8 +228,9 @@ SQUARE_ONLY = ('local = _divide(in_features, tp, "in_features")',
                'local = _divide(out_features, tp, "out_features")   # the wrong size')
 BLOCK_TWICE = ("        return x.view_as(x)\n\n    @staticmethod\n    def backward(ctx, grad):\n"
                "        grad = grad.contiguous()",
-               "        x = x.contiguous() / dist.get_world_size()\n        dist.all_reduce(x)   "
-               "# 'make sure every rank has the same input'\n        return x\n\n    @staticmethod\n"
+               "        x = x.contiguous() / dist.get_world_size()\n"
+               "        dist.all_reduce(x)   # 'make sure every rank has the same input'\n"
+               "        return x\n\n    @staticmethod\n"
                "    def backward(ctx, grad):\n        grad = grad.contiguous()")
 GATHERING_LOSS = '''
 def vocab_parallel_cross_entropy(local_logits, targets, vocab_start, ignore_index=-100):
@@ -287,8 +288,8 @@ def test_a_block_that_all_reduces_twice_fails_on_the_wire(world3):
 @pytest.mark.timeout(120)
 def test_a_fused_qkv_cut_in_plain_chunks_fails(world3):
     old = ('    local["qkv.weight"] = params["qkv.weight"].view(3, width, hidden)[:, mine]'
-           '.reshape(-1, hidden)\n    local["qkv.bias"] = params["qkv.bias"].view(3, width)[:, mine]'
-           '.reshape(-1)')
+           '.reshape(-1, hidden)\n'
+           '    local["qkv.bias"] = params["qkv.bias"].view(3, width)[:, mine].reshape(-1)')
     new = ('    local["qkv.weight"] = params["qkv.weight"].chunk(tp)[rank]\n'
            '    local["qkv.bias"] = params["qkv.bias"].chunk(tp)[rank]')
     block = _edited("task2_tp_block", old, new)

@@ -67,7 +67,7 @@ def merge_heads(x):
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with separate q, k, v, o projections: q, k, v: [A, H], o: [H, A]."""
+    """Causal multi-head attention, separate projections: q, k, v: [A, H], o: [H, A]."""
 
     def __init__(self, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM):
         super().__init__()

@@ -1,9 +1,9 @@
-"""Checkers of lab 4 (tensor parallelism); the lab's test cells and tests/chapters call the same ones.
+"""Checkers of lab 4 (tensor parallelism): the lab's test cells and tests/chapters call these.
 
     check_column_parallel(world, ColumnParallelLinear, 10, 36, gather_output=True)
     check_row_parallel(world, RowParallelLinear, 36, 10, input_is_parallel=False)
     check_block(world, shard_block, tp_block)                 # outputs and gradients
-    check_block_traffic(world, shard_block, tp_block)         # one all-reduce each way per sub-block
+    check_block_traffic(world, shard_block, tp_block)         # one all-reduce per sub-block each way
     check_vocab_cross_entropy(world, vocab_parallel_cross_entropy, tokens=96, vocab=50)
     check_vocab_traffic(world, vocab_parallel_cross_entropy)  # bytes grow with N, not with V
 
@@ -142,8 +142,8 @@ def check_column_parallel(world, layer_cls, in_features, out_features, gather_ou
     for rows in _slices(out_features, tp):
         shares.append({"weight": W[rows].clone(), "bias": b[rows].clone() if bias else None,
                        "x": x, "dy": dy if gather_output else dy[..., rows].clone()})
-        expected.append({"shapes": {"weight": (out_features // tp, in_features),
-                                    "bias": (out_features // tp,) if bias else None, "dtype": dtype},
+        expected.append({"shapes": {"weight": (out_features // tp, in_features), "dtype": dtype,
+                                    "bias": (out_features // tp,) if bias else None},
                          "y": full["y"] if gather_output else full["y"][..., rows],
                          "dx": full["dx"], "dweight": full["dweight"][rows],
                          "dbias": full["dbias"][rows] if bias else None})
@@ -348,8 +348,9 @@ def check_block_traffic(world, shard_fn, block_fn, batch=4, seq=24, dtype="float
                     f"rank {rank} sent {sent} bytes in {phase}; one all-reduce of the "
                     f"[{batch}, {seq}, {sizes['hidden']}] activation per sub-block sends "
                     f"2 x 2(t-1)/t x {n} = {data:.0f} bytes (up to {data + framing:.0f} with "
-                    f"headers and teaching mode's checks) [{case}]; the rank called {ops}: exactly one all-reduce "
-                    "per sub-block in each direction, nothing gathered, nothing reduced twice")
+                    f"headers and teaching mode's checks) [{case}]; the rank called {ops}: "
+                    "exactly one all-reduce per sub-block in each direction, nothing gathered, "
+                    "nothing reduced twice")
 
 
 # ---- task 3: vocabulary-parallel cross-entropy ---------------------------------------------------
@@ -444,12 +445,13 @@ def check_vocab_traffic(world, fn, tokens=512, vocab=256, dtype="float32", timeo
         for rank, count in enumerate(traffic.sent):
             if count > bound:
                 ops = sorted({r["op"] for r in trace.ops(rank)})
+                gathered = tpk.gathered_logits_bytes(tokens, v, tp, itemsize)
                 raise AssertionError(
                     f"rank {rank} sent {count} bytes for N={tokens} tokens and V={v} [{case}]; "
                     f"{max_reductions} all-reduces of N values are at most {bound:.0f} bytes, "
-                    f"gathering the logits would be {tpk.gathered_logits_bytes(tokens, v, tp, itemsize):.0f}"
-                    f"; the rank called {ops}: reduce [N] vectors (max, sum of exponentials, "
-                    "target logit), never the [N, V/t] logits")
+                    f"gathering the logits would be {gathered:.0f}; the rank called {ops}: "
+                    "reduce [N] vectors (max, sum of exponentials, target logit), never the "
+                    "[N, V/t] logits")
         sent[v] = traffic.sent
     for rank in range(tp):
         if sent[8 * vocab][rank] > 1.1 * sent[vocab][rank] + 512:

@@ -1,8 +1,8 @@
-"""Where the pieces of a tensor live: placement metadata for tensor parallelism (chapter 4, section 5).
+"""Where the pieces of a tensor live: placement metadata (chapter 4, section 6).
 
 Every tensor of a tensor-parallel layer is one of three things on the tp ranks of a mesh axis:
 
-    Shard(d)     rank r holds block r of the global tensor along dim d   (global [.., n, ..] -> [.., n/t, ..])
+    Shard(d)     rank r holds block r of the global tensor along dim d: [.., n, ..] -> [.., n/t, ..]
     Replicate()  every rank holds the whole tensor, the same values
     Partial()    every rank holds a tensor of the global shape; the global tensor is their sum
 

@@ -52,7 +52,8 @@ def self_check(answers: dict) -> int:
     questions = _questions()
     unknown = set(answers) - set(questions)
     if unknown:
-        raise KeyError(f"no question named {sorted(unknown)}; the questions are {sorted(questions)}")
+        raise KeyError(f"no question named {sorted(unknown)}; the questions are "
+                       f"{sorted(questions)}")
     right = 0
     for key, (expected, why) in questions.items():
         given = answers.get(key)
