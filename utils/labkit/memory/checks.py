@@ -1,0 +1,413 @@
+"""Checkers for lab 3 (memory and ZeRO); the pytest suite calls the same functions.
+
+    check_sharded_optimizer(world, ShardedOptimizer, "adamw", steps=10)      # task 1
+    check_bad_inputs(world, ShardedOptimizer)                               # task 1
+    check_memory_predictor(world, predict_memory, configs)                  # task 2
+    check_collective_prediction(world, predict_collectives, configs)        # task 3
+
+Task 1 runs the class on every rank: each rank is sent only its own gradients, the expected
+parameters are computed here with torch's own optimizer on the whole parameters and the mean
+gradient, and the optimizer state a rank holds is read from the `state` of every torch.optim
+optimizer reachable from the instance (not from anything the class reports). Tasks 2 and 3 call a
+pure prediction function here and compare it with what labkit's own ZeRO code measures on the
+ranks: the memory profiler's timeline, the saved activations, and the trace of collectives.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from labkit import checks
+from labkit.memory import zero, zero_pipeline
+
+# Parameter shapes whose sizes no P in 2..4 divides (35, 25, 7, 11, 49, 1), in two groups.
+SHAPES = [(5, 7), (5, 5), (7,), (11,), (7, 7), (1,)]
+OPTIMIZERS = {
+    "adamw": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)),
+    "adam": ("Adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6)),
+    "sgd": ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "rmsprop": ("RMSprop", dict(lr=1e-2, alpha=0.9, momentum=0.5)),
+    "adagrad": ("Adagrad", dict(lr=0.1, lr_decay=0.01)),
+}
+
+
+# ---- task 1: ShardedOptimizer -------------------------------------------------------------------
+
+def optimizer_case(case, world_size, optimizer="adamw", steps=10, groups=True, frozen=True):
+    """Plain data for one run: shapes, initial values, groups, and every rank's gradients.
+
+    With `groups`, group 1 overrides the learning rate and sets weight_decay to 0 (the optimizer's
+    default is not 0). With `frozen`, the last parameter never gets a gradient and parameter 2
+    gets none in steps 3 to 5."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+    name, kwargs = OPTIMIZERS[optimizer]
+    initial = [case.normal(shape, "float64") for shape in SHAPES]
+    if groups:
+        layout = [{"params": [0, 1, 2], "weight_decay": 0.2},
+                  {"params": [3, 4, 5], "weight_decay": 0.0, "lr": kwargs["lr"] / 3}]
+    else:
+        layout = [{"params": list(range(len(SHAPES)))}]
+    if name in ("Adagrad", "RMSprop") or "weight_decay" not in kwargs:
+        for group in layout:
+            group.pop("weight_decay", None)
+    def has_grad(i, step):
+        return not (frozen and (i == len(SHAPES) - 1 or (i == 2 and 2 <= step <= 4)))
+    grads = [[[case.normal(SHAPES[i], "float64") if has_grad(i, step) else None
+               for i in range(len(SHAPES))] for step in range(steps)] for _ in range(world_size)]
+    return {"optimizer": name, "kwargs": kwargs, "initial": initial, "groups": layout,
+            "grads": grads, "steps": steps}
+
+
+def reference_history(spec, variant=None):
+    """torch's optimizer on the whole parameters, stepped with the mean gradient over the ranks.
+
+    `variant` computes a classic mistake instead, to name it in a failure: "groups lost" (the
+    groups' own options dropped), "fresh state" (a new optimizer every step), "summed" (the sum of
+    the gradients, not the mean), "zero gradient" (a missing gradient stepped as zeros)."""
+    params = [torch.nn.Parameter(v.clone()) for v in spec["initial"]]
+
+    def make():
+        if variant == "groups lost":
+            return getattr(torch.optim, spec["optimizer"])(params, **spec["kwargs"])
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=[params[i] for i in g["params"]]) for g in spec["groups"]]
+        return getattr(torch.optim, spec["optimizer"])(groups, **spec["kwargs"])
+    optimizer = make()
+    history, world_size = [], len(spec["grads"])
+    for step in range(spec["steps"]):
+        if variant == "fresh state":
+            optimizer = make()
+        for i, p in enumerate(params):
+            per_rank = [spec["grads"][r][step][i] for r in range(world_size)]
+            if per_rank[0] is None:
+                p.grad = torch.zeros_like(p) if variant == "zero gradient" else None
+            else:
+                p.grad = torch.stack(per_rank).sum(0) / (1 if variant == "summed" else world_size)
+        optimizer.step()
+        history.append([p.detach().clone() for p in params])
+    state = [[t for t in optimizer.state[p].values() if torch.is_tensor(t)] for p in params]
+    return history, state
+
+
+MISTAKES = {
+    "groups lost": "each parameter group sets its own lr and weight_decay: give every shard its "
+                   "group's options (your results match torch's with the groups' options dropped)",
+    "fresh state": "step 1 was right and later ones drift: keep one optimizer, and its state, "
+                   "from step to step (momentum, Adam's step count and bias correction)",
+    "summed": "the gradients were summed over the ranks, not averaged: divide by P",
+    "zero gradient": "a parameter without a gradient must be skipped, as torch skips it: stepping "
+                     "it with a zero gradient still applies weight decay and momentum",
+}
+
+
+def _diagnose(spec, history):
+    """The classic mistake the rank's history matches, if any (a hint for the failure)."""
+    for variant, hint in MISTAKES.items():
+        expected, _ = reference_history(spec, variant)
+        if all(torch.allclose(g, w, rtol=1e-9, atol=1e-12)
+               for got_step, want_step in zip(history, expected) for g, w in zip(got_step, want_step)):
+            return hint
+    return None
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def held_state(root, exclude=()):
+    """Walk the objects reachable from `root`: bytes in the `state` of every torch.optim optimizer
+    found (each storage once), and the number of such optimizers. `exclude`: tensors not to count."""
+    skip = {_storage(t) for t in exclude}
+    seen, stack, optimizers = set(), [(root, 0)], []
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > 12 or len(seen) > 200_000:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer):
+            optimizers.append(obj)
+        if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None), type,
+                            types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+            continue
+        if isinstance(obj, dict):
+            children = list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__"):
+            children = list(vars(obj).values())
+        else:
+            children = []
+        stack.extend((child, depth + 1) for child in children)
+    counted, total = set(), 0
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and _storage(t) not in skip | counted:
+                    counted.add(_storage(t))
+                    total += t.untyped_storage().nbytes()
+    return {"state_bytes": total, "optimizers": len(optimizers)}
+
+
+def _optimizer_program(my_grads, cls, spec):
+    """On a rank: build the parameters, the class under test, run the steps with this rank's
+    gradients; return the parameters after every step and the state it holds."""
+    import labkit
+    device = labkit.device()
+    params = [torch.nn.Parameter(v.clone().to(device)) for v in spec["initial"]]
+    groups = [dict({k: v for k, v in g.items() if k != "params"},
+                   params=[params[i] for i in g["params"]]) for g in spec["groups"]]
+    optimizer = cls(groups, getattr(torch.optim, spec["optimizer"]), **spec["kwargs"])
+    history = []
+    for grads in my_grads:
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.clone().to(device)
+        optimizer.step()
+        history.append([p.detach().cpu().clone() for p in params])
+    return {"history": history, **held_state(optimizer, exclude=params)}
+
+
+def _allowed_state(state, world_size):
+    """The most optimizer-state bytes one rank may hold: every tensor state of a parameter sliced
+    into P pieces of ceil(n/P) elements, scalar states (step counts) whole."""
+    allowed = 0
+    for tensors in state:
+        for t in tensors:
+            if t.dim() == 0:
+                allowed += t.element_size()
+            else:
+                allowed += math.ceil(t.numel() / world_size) * t.element_size()
+    return allowed
+
+
+def check_sharded_optimizer(world, cls, optimizer="adamw", steps=10, groups=True, frozen=True,
+                            seed=None, timeout=60):
+    """`cls(param_groups, optimizer_cls, **kwargs)` must step every rank's parameters exactly like
+    torch's optimizer_cls on the whole parameters and the mean gradient, for `steps` steps, while
+    each rank holds about 1/P of the optimizer state. Returns the per-rank state bytes."""
+    case = checks.Case(f"ShardedOptimizer with {optimizer}", seed)
+    P = world.size
+    spec = optimizer_case(case, P, optimizer, steps, groups, frozen)
+    expected, full_state = reference_history(spec)
+    shared = {k: v for k, v in spec.items() if k != "grads"}
+    results = world.run_each(_optimizer_program, spec["grads"], cls, shared, timeout=timeout)
+    checks.one_result_per_rank(results, P, case, "ShardedOptimizer")
+    for rank, result in enumerate(results):
+        if len(result["history"]) != steps:
+            raise AssertionError(f"rank {rank}: {len(result['history'])} steps recorded, expected "
+                                 f"{steps} [{case}]")
+        for step in range(steps):
+            for i, (got, want) in enumerate(zip(result["history"][step], expected[step])):
+                if torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                    continue
+                hint = _diagnose(spec, result["history"])
+                if hint is None and spec["grads"][0][step][i] is None:
+                    hint = ("this parameter had no gradient in this step: torch's optimizer leaves "
+                            "it (and its state) untouched")
+                elif hint is None and step > 0:
+                    hint = ("step 1 was right and a later one is not: is each slice's optimizer "
+                            "state kept from step to step?")
+                elif hint is None:
+                    hint = ("is the gradient averaged over the ranks before the step, and is every "
+                            "slice gathered back into the parameter?")
+                checks.check(got, want, f"rank {rank}: parameter {i} {tuple(got.shape)} after step "
+                             f"{step + 1}", rtol=1e-9, atol=1e-12, case=case, hint=hint)
+    allowed = _allowed_state(full_state, P)
+    whole = sum(t.untyped_storage().nbytes() for tensors in full_state for t in tensors)
+    held = [result["state_bytes"] for result in results]
+    for rank, result in enumerate(results):
+        if result["optimizers"] == 0:
+            raise AssertionError(f"rank {rank}: no torch.optim optimizer found in the instance "
+                                 f"[{case}]: wrap optimizer_cls around this rank's slices")
+        if held[rank] > allowed:
+            raise AssertionError(
+                f"rank {rank} holds {held[rank]} bytes of optimizer state; the whole optimizer "
+                f"holds {whole} and a 1/P slice of every parameter needs at most {allowed} on "
+                f"P={P} [{case}]: keep the state of this rank's slice only, not of every parameter")
+    if sum(held) < whole - sum(t.element_size() for ts in full_state for t in ts if t.dim() == 0):
+        raise AssertionError(f"the ranks hold {sum(held)} bytes of optimizer state together, the "
+                             f"whole optimizer needs {whole} [{case}]: is every slice stepped by "
+                             "a torch.optim optimizer on some rank?")
+    return held
+
+
+def _bad_inputs_program(_, cls):
+    import labkit
+    p = torch.nn.Parameter(torch.zeros(5, device=labkit.device()))
+    q = torch.nn.Parameter(torch.zeros(3, device=labkit.device()))
+    outcomes = {}
+    attempts = {"not an optimizer class": lambda: cls([p], dict, lr=0.1),
+                "an optimizer instance": lambda: cls([p], torch.optim.SGD([q], lr=0.1)),
+                "the same parameter twice": lambda: cls([p, q, p], torch.optim.SGD, lr=0.1),
+                "one parameter in two groups": lambda: cls([{"params": [p]}, {"params": [p, q]}],
+                                                           torch.optim.SGD, lr=0.1)}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            outcomes[name] = None
+        except (TypeError, ValueError) as error:
+            outcomes[name] = f"{type(error).__name__}: {error}"
+        except Exception as error:   # noqa: BLE001 - reported as the wrong kind of error
+            outcomes[name] = f"wrong kind {type(error).__name__}: {error}"
+    return outcomes
+
+
+def check_bad_inputs(world, cls, timeout=30):
+    """Something that is not an optimizer class, or a parameter passed twice: a clear TypeError or
+    ValueError on every rank (not a hang, not a silent success)."""
+    results = world.run_each(_bad_inputs_program, [None] * world.size, cls, timeout=timeout)
+    checks.one_result_per_rank(results, world.size, what="ShardedOptimizer with bad input")
+    for rank, outcomes in enumerate(results):
+        for name, outcome in outcomes.items():
+            if outcome is None:
+                raise AssertionError(f"rank {rank}: ShardedOptimizer accepted {name}; raise "
+                                     "TypeError (not an optimizer class) or ValueError (a "
+                                     "parameter passed twice) with a message that says so")
+            if outcome.startswith("wrong kind"):
+                raise AssertionError(f"rank {rank}: {name} raised {outcome[11:]}; raise TypeError "
+                                     "or ValueError instead")
+    return results
+
+
+# ---- task 2: the memory predictor ---------------------------------------------------------------
+
+BENCH = {"layers": 3, "hidden": 48}     # the bench of task 2 (labkit.memory.zero blocks, bf16)
+
+
+def memory_program(config):
+    """On every rank: the first P ranks train the bench with ZeRO `stage` (bf16 weights, fp32
+    AdamW): one warm-up step, then one measured step. Returns, for ranks < P, the bytes it keeps
+    by category, the bytes saved for backward in one forward, and the peak of the measured step
+    (torch's memory profiler); None on the other ranks."""
+    import torch.distributed as dist
+
+    import labkit
+    from labkit.memory import measure
+    P, rank = config["P"], dist.get_rank()
+    group = zero.subgroup(P)
+    if rank >= P:
+        return None
+    device = labkit.device()
+    blocks = zero.make_blocks(config["layers"], config["hidden"], 0, P, rank, config["stage"],
+                              group=group, device=device)
+    trainer = zero.ZeroTrainer(blocks, config["stage"], group=group, lr=1e-3)
+    x = torch.randn(config["batch"], config["seq"], config["hidden"],
+                    generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)  # [B, T, H]
+    x = x.to(device)
+
+    def step():
+        trainer.forward(x).float().square().mean().backward()
+        trainer.step()
+    step()
+    with measure.saved_bytes(exclude=[p for b in blocks for p in b.parameters()]) as saved:
+        out = trainer.forward(x)
+    out.float().square().mean().backward()
+    for b in blocks:                                # undo that backward: gradients back to zero
+        for p in b.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+    roles = trainer.roles()
+    timeline = measure.profile(step, roles=roles)
+    kept = {category: sum({_storage(t): t.untyped_storage().nbytes() for t in tensors}.values())
+            for category, tensors in roles.items()}
+    return dict(kept, activations=saved.total, peak=timeline.peak, at_peak=timeline.at_peak)
+
+
+CATEGORY_TOLERANCE = {"parameters": 0.01, "gradients": 0.01, "optimizer_states": 0.01,
+                      "buffers": 0.01, "activations": 0.05, "peak": 0.10}
+
+
+def _validate_config(config):
+    if config.get("stage") not in zero.STAGES:
+        raise ValueError(f"stage must be one of {zero.STAGES}, got {config.get('stage')!r}")
+    for name in ("P", "layers", "hidden", "batch", "seq"):
+        if not isinstance(config.get(name), int) or config[name] < 1:
+            raise ValueError(f"{name} must be a positive int, got {config.get(name)!r}")
+
+
+def check_memory_predictor(world, predict, configs, timeout=120):
+    """For each config (stage, P, batch, seq; layers and hidden default to BENCH), call
+    predict(stage, P, layers, hidden, batch, seq) here, measure the same on P ranks of `world`,
+    and compare category by category (tolerances in CATEGORY_TOLERANCE). Returns the rows."""
+    rows = []
+    for config in configs:
+        config = dict(BENCH, **config)
+        _validate_config(config)
+        if config["P"] > world.size:
+            raise ValueError(f"config needs P={config['P']} ranks, the world has {world.size}")
+        args = (config["stage"], config["P"], config["layers"], config["hidden"],
+                config["batch"], config["seq"])
+        predicted = predict(*args)
+        if not isinstance(predicted, dict):
+            raise AssertionError(f"predict_memory{args} returned {type(predicted).__name__}, "
+                                 f"expected a dict with keys {sorted(CATEGORY_TOLERANCE)}")
+        missing = sorted(set(CATEGORY_TOLERANCE) - set(predicted))
+        if missing:
+            raise AssertionError(f"predict_memory{args} has no {missing}")
+        measured = world.call(memory_program, args=(config,), timeout=timeout)[0]
+        for category, tolerance in CATEGORY_TOLERANCE.items():
+            got, want = float(predicted[category]), float(measured[category])
+            if not math.isfinite(got) or abs(got - want) > tolerance * max(want, 1.0):
+                hint = {
+                    "activations": "what does each block save for backward, in which dtype?",
+                    "peak": ("the peak is the larger of two moments: the start of backward (every "
+                             "block's activations and backward's own temporaries) and one block's "
+                             "optimizer step (its fp32 gradient and AdamW's temporaries), on top "
+                             "of what is always kept, buffers included. Measured at the peak: "
+                             + ", ".join(f"{k} {v}" for k, v in measured["at_peak"].items() if v)),
+                    "buffers": "see zero.Buffers: which buffers does each stage allocate?",
+                }.get(category, "see the table in labkit.memory.zero's docstring (padding to a "
+                                "multiple of P; AdamW's step count is a 4-byte tensor per block)")
+                raise AssertionError(
+                    f"predict_memory(stage={config['stage']}, P={config['P']}, layers="
+                    f"{config['layers']}, hidden={config['hidden']}, batch={config['batch']}, "
+                    f"seq={config['seq']}): {category} predicted {got:.0f} bytes, measured "
+                    f"{want:.0f} (tolerance {tolerance:.0%}); {hint}")
+        rows.append(dict(config, predicted=dict(predicted), measured=measured))
+    return rows
+
+
+# ---- task 3: collectives of ZeRO inside a pipeline ----------------------------------------------
+
+COLLECTIVES = {"all_gather": "all_gather_single", "reduce_scatter": "all_to_all_single",
+               "all_reduce": "all_reduce"}
+
+
+def pipeline_shape(world_size):
+    """(pp, dp) for a world: two stages when the size is even, else one stage per rank."""
+    return (2, world_size // 2) if world_size % 2 == 0 else (world_size, 1)
+
+
+def check_collective_prediction(world, predict, configs, timeout=60):
+    """For each config (zero_stage, layers, microbatches, schedule, reshard_after_forward), call
+    predict(zero_stage, layers, microbatches, reshard_after_forward) here: the number of each
+    collective one rank issues in one training step. Then run the step on a pipeline of the
+    world's ranks with labkit's ZeRO code, count the collectives of every rank in the trace, and
+    compare."""
+    pp, dp = pipeline_shape(world.size)
+    rows = []
+    for config in configs:
+        step_case = zero_pipeline.case(pp=pp, **config)
+        args = (step_case["zero_stage"], step_case["layers"], step_case["microbatches"],
+                step_case["reshard_after_forward"])
+        predicted = predict(*args)
+        if not isinstance(predicted, dict) or set(predicted) != set(COLLECTIVES):
+            raise AssertionError(f"predict_collectives{args} returned {predicted!r}, expected a "
+                                 f"dict with keys {sorted(COLLECTIVES)}")
+        with world.tracing() as trace:
+            world.call(zero_pipeline.train_step, args=(step_case,), timeout=timeout)
+        for rank in range(world.size):
+            for name, op in COLLECTIVES.items():
+                counted = len(trace.ops(rank, op))
+                if predicted[name] != counted:
+                    forgot = (" (every microbatch needs the parameters in backward too)"
+                              if name == "all_gather" and predicted[name] * 2 == counted else "")
+                    raise AssertionError(
+                        f"zero_stage={args[0]}, layers={args[1]} per stage, microbatches={args[2]}, "
+                        f"schedule={config.get('schedule', '1f1b')}, reshard_after_forward={args[3]}"
+                        f" on {pp} stages x {dp} data-parallel ranks: rank {rank} issued {counted} "
+                        f"{name} ({op}) in one step, predicted {predicted[name]}{forgot}")
+        rows.append(dict(config, predicted=predicted))
+    return rows
