@@ -1,0 +1,395 @@
+"""Chapter 3 / lab 3: labkit.memory's formulas (the ZeRO paper's numbers, Korthikanti's
+activations, the calculator), ZeRO stages 0-3 on real ranks against one process, bytes kept and
+sent, the pipeline's gathers, the lab's reference answers used the way a training loop uses them,
+and the lab's checkers rejecting the wrong answers issue 13 names."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit.memory import activations, bench, checks, ledger, measure, zero, zero_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab03_memory_and_zero"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _answer_cells() -> dict:
+    """Every answer cell of the lab's solution notebook, executed in one namespace."""
+    import nbformat
+    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "math": math, "checks": checks,
+                 "zero": zero, "measure": measure, "ledger": ledger, "__name__": "__main__"}
+    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution"):
+            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
+    return namespace
+
+
+REF = _answer_cells()
+ShardedOptimizer = REF["ShardedOptimizer"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    yield labkit.world(4, timeout=60, teaching=False)
+    labkit.shutdown_all()
+
+
+# ---- the ledger: formulas and the paper's numbers (one process) ----------------------------------
+
+def test_the_zero_paper_figure_and_table_are_reproduced_to_its_rounding():
+    figure = ledger.ZERO_FIGURE_1
+    got = [ledger.one_decimal(sum(ledger.model_states(figure["psi"], figure["dp"], s).values()) / 1e9)
+           for s in ledger.STAGES]
+    assert got == [figure["stages"][s] for s in ledger.STAGES] == [120, 31.4, 16.6, 1.9]
+    for (dp, psi), printed in ledger.ZERO_TABLE_1.items():
+        assert [ledger.paper_round(v) for v in ledger.zero_table(psi, dp)] == list(printed)
+
+
+@FEW
+@given(st.floats(1e3, 1e13), st.integers(1, 4096), st.sampled_from(ledger.STAGES),
+       st.sampled_from([ledger.MIXED_ADAMW, ledger.FP32_ADAMW]))
+def test_model_states_are_psi_times_b_rep_plus_b_shard_over_p(psi, dp, stage, recipe):
+    b_rep, b_shard = ledger.split_bytes(stage, recipe)
+    assert b_rep + b_shard == recipe.total == 16
+    total = sum(ledger.model_states(psi, dp, stage, recipe).values())
+    assert math.isclose(total, psi * (b_rep + b_shard / dp), rel_tol=1e-12)
+    assert math.isclose(total, ledger.rank_bytes(psi, b_rep, b_shard, dp)["steady"], rel_tol=1e-12)
+    if stage:
+        assert total <= sum(ledger.model_states(psi, dp, stage - 1, recipe).values())
+
+
+def test_ledger_rejects_bad_input_with_the_value():
+    with pytest.raises(ValueError, match="dp must be a positive number, got 0"):
+        ledger.model_states(1e9, 0, 1)
+    with pytest.raises(ValueError, match="ZeRO stage must be one of"):
+        ledger.model_states(1e9, 8, 4)
+    with pytest.raises(ValueError, match="p must be a positive number, got -1"):
+        ledger.rank_bytes(1e9, 4, 12, -1)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        ledger.activation_bytes_per_layer(8, 1, 16, 2, recompute="some")
+    with pytest.raises(ValueError, match=r"layers \(10\) must be divisible by pp \(4\)"):
+        ledger.per_rank_ledger(10, 64, 4, 32, 1, pp=4)
+    with pytest.raises(ValueError, match="P must be a positive int"):
+        bench.bench_case(1, P=0)
+
+
+@FEW
+@given(st.integers(1, 4096), st.integers(1, 16), st.sampled_from([64, 512, 4096]),
+       st.sampled_from([1, 8, 32]), st.sampled_from([1, 2, 4, 8]))
+def test_activation_formulas_agree_where_they_must(s, b, h, a, t):
+    none = ledger.activation_bytes_per_layer(s, b, h, a)
+    assert math.isclose(none, s * b * h * (34 + 5 * a * s / h))
+    # at t = 1 tensor and sequence parallelism change nothing; they only ever save memory
+    assert math.isclose(ledger.activation_bytes_per_layer(s, b, h, a, 1, True), none)
+    tp = ledger.activation_bytes_per_layer(s, b, h, a, t)
+    sp = ledger.activation_bytes_per_layer(s, b, h, a, t, True)
+    assert sp <= tp <= none
+    assert ledger.activation_bytes_per_layer(s, b, h, a, t, True, "full") == 2 * s * b * h / t
+
+
+def test_calculator_holds_pp_microbatches_under_1f1b_and_all_under_gpipe():
+    config = dict(layers=8, hidden=256, heads=8, seq=128, micro_batch=2, pp=4, microbatches=16)
+    f = ledger.per_rank_ledger(schedule="1f1b", **config)
+    g = ledger.per_rank_ledger(schedule="gpipe", **config)
+    assert g["activations"] == 4 * f["activations"]
+    assert f["peak"] == pytest.approx(sum(f[k] for k in ("parameters", "gradients",
+                                                           "optimizer_states", "activations",
+                                                           "transients")))
+    stage3 = ledger.per_rank_ledger(zero_stage=3, dp=8, schedule="1f1b", **config)
+    assert stage3["transient_items"]["gathered layers (stage 3)"] > 0
+    assert ledger.in_flight_microbatches("1f1b", 4, 16, stage=3) == 1
+
+
+def test_wire_bytes_are_2_psi_and_3_psi_and_grow_with_microbatches_in_stage_3():
+    psi, P = 1e9, 8
+    assert ledger.wire_bytes_per_rank(psi, P, 1) == pytest.approx(2 * 7 / 8 * psi * 2)
+    assert ledger.wire_bytes_per_rank(psi, P, 3) == pytest.approx(3 * 7 / 8 * psi * 2)
+    assert ledger.wire_bytes_per_rank(psi, P, 3, microbatches=32) == pytest.approx(
+        48 * ledger.wire_bytes_per_rank(psi, P, 1, microbatches=32))
+
+
+# ---- one process: the profiler's categories, saved activations, schedules ------------------------
+
+def test_profiler_categories_of_a_plain_adamw_step_are_exact():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randn(8, 32)
+
+    def step():
+        model(x).square().mean().backward()
+        optimizer.step()
+    step()
+    timeline = measure.profile(step, device="cpu")
+    n = sum(p.numel() for p in model.parameters())
+    assert timeline.start["parameter"] == 4 * n
+    assert timeline.start["gradient"] == 4 * n
+    assert timeline.start["optimizer_state"] == 8 * n + 4 * 4     # m, v; four 4-byte step counts
+    assert timeline.peak >= sum(timeline.start.values())
+
+
+@FEW
+@given(st.sampled_from([16, 32]), st.integers(1, 3), st.sampled_from(["none", "selective", "full"]))
+def test_one_process_layer_saves_the_paper_bytes_plus_the_stated_extras(s, b, recompute):
+    h, a = 32, 4
+    x = torch.randn(s, b, h).to(torch.bfloat16)
+    measured = activations.measure(activations.Layer(h, a), x, recompute)
+    assert measured == ledger.activation_bytes_per_layer(s, b, h, a, recompute=recompute) \
+        + activations.extra_bytes(s, b, h, a, recompute=recompute)
+
+
+@FEW
+@given(st.sampled_from(zero_pipeline.SCHEDULES), st.integers(1, 4), st.integers(1, 9))
+def test_schedules_run_every_microbatch_forward_before_backward(kind, pp, m):
+    for stage in range(pp):
+        order = zero_pipeline.schedule(kind, pp, stage, m)
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+        started = max(k for k in range(len(order) + 1)
+                      if all(kind_ == "F" for kind_, _ in order[:k]))
+        assert started == (m if kind == "gpipe" else min(pp - stage, m))
+
+
+# ---- ZeRO stages on real ranks --------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", ledger.STAGES)
+def test_every_stage_trains_like_one_process_on_three_of_four_ranks(world, stage):
+    case = bench.bench_case(stage, P=3, layers=2, hidden=5, batch=2, seq=3, steps=4,
+                            dtype="float64", lr=1e-2, weight_decay=0.1, history=True)
+    results = world.run(bench.run_bench, case)
+    assert results[3] is None
+    reference = bench.reference_history(case, 3)
+    for result in results[:3]:
+        for step, want in zip(result["history"], reference):
+            for got, w in zip(step, want):
+                torch.testing.assert_close(got[:w.numel()], w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.timeout(120)
+def test_bytes_kept_and_sent_match_the_ledger_at_p_3(world):
+    P, layers, hidden = 3, 2, 24
+    psi = layers * zero.padded_numel(hidden, P)
+    for stage in ledger.STAGES:
+        case = bench.bench_case(stage, P=P, layers=layers, hidden=hidden)
+        world.run(bench.run_bench, case)
+        with world.traffic() as traffic:
+            kept = world.run(bench.run_bench, case)[0]["kept"]
+        states = ledger.model_states(psi, P, stage)
+        assert kept["parameters"] == states["parameters"]
+        assert kept["gradients"] == states["gradients"]
+        assert kept["optimizer_states"] == states["optimizer_states"] + 4 * layers
+        expected = ledger.wire_bytes_per_rank(psi, P, stage)
+        for rank in range(P):
+            assert expected <= traffic.sent[rank] <= expected + 160 * 6 * layers * (P - 1), \
+                (stage, rank, traffic.sent, expected)
+        assert traffic.sent[3] == 0                      # the fourth rank sat it out
+
+
+@pytest.mark.timeout(120)
+def test_stage_3_gathers_twice_per_microbatch_in_a_pipeline(world):
+    for m in (1, 3):
+        for zero_stage, expected in ((1, 2), (3, 2 * m * 2)):
+            case = zero_pipeline.case(zero_stage=zero_stage, layers=2, microbatches=m)
+            with world.tracing() as trace:
+                world.call(zero_pipeline.train_step, args=(case,), timeout=60)
+            assert [zero_pipeline.count(trace, r, "all_gather_single") for r in range(4)] \
+                == [expected] * 4
+
+
+@pytest.mark.timeout(120)
+def test_tensor_and_sequence_parallel_layers_compute_the_same_and_save_what_is_stated(world):
+    case = dict(s=16, b=2, h=32, a=4, t=2)
+    for sp in (False, True):
+        agree = world.run(activations.outputs_agree, dict(case, sequence_parallel=sp))
+        assert max(g for g in agree if g is not None) < 1e-12
+        saved = [v for v in world.run(activations.measure_on_rank, dict(case, sequence_parallel=sp))
+                 if v is not None]
+        expected = ledger.activation_bytes_per_layer(16, 2, 32, 4, 2, sp) \
+            + activations.extra_bytes(16, 2, 32, 4, 2, sp)
+        assert saved == [expected, expected]
+
+
+# ---- lab 3, task 1: the reference ShardedOptimizer as a library ----------------------------------
+
+def _train_with_accumulation(_, cls, dtype_name, steps):
+    """Every rank: a tiny model with a frozen layer, 2 microbatches per step, ShardedOptimizer
+    around AdamW; returns the weights after every step."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dtype)
+    model[0].bias.requires_grad_(False)                                   # frozen
+    groups = [{"params": [model[0].weight], "weight_decay": 0.1},
+              {"params": [model[2].weight, model[2].bias], "weight_decay": 0.0, "lr": 3e-3}]
+    optimizer = cls(groups, torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    history = []
+    for _ in range(steps):
+        for _ in range(2):
+            model(torch.randn(4, 5, generator=g, dtype=dtype)).square().mean().div(2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def _single_process_accumulation(world_size, dtype_name, steps):
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dtype)
+    model[0].bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW([{"params": [model[0].weight], "weight_decay": 0.1},
+                                   {"params": [model[2].weight, model[2].bias],
+                                    "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+    generators = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    history = []
+    for _ in range(steps):
+        batches = [[torch.randn(4, 5, generator=g, dtype=dtype) for _ in range(2)] for g in generators]
+        loss = sum(model(x).square().mean() / 2 for per_rank in batches for x in per_rank) / world_size
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reference_sharded_optimizer_with_accumulation_and_a_frozen_bias(world, dtype):
+    histories = world.run(_train_with_accumulation, None, ShardedOptimizer, dtype, 6)
+    reference = _single_process_accumulation(world.size, dtype, 6)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-10, atol=1e-12)
+    for history in histories:
+        for step, want in zip(history, reference):
+            for got, w in zip(step, want):
+                torch.testing.assert_close(got, w, **tol)
+
+
+def _step_after_an_error(_, cls):
+    """A step that raises on every rank (a sparse gradient), then a good one."""
+    p = torch.nn.Parameter(torch.arange(6, dtype=torch.float64))
+    optimizer = cls([p], torch.optim.SGD, lr=0.5, momentum=0.9)
+    p.grad = torch.ones(6, dtype=torch.float64).to_sparse()
+    try:
+        optimizer.step()
+        raised = False
+    except RuntimeError:
+        raised = True
+    p.grad = torch.full((6,), 2.0, dtype=torch.float64)
+    optimizer.step()
+    return raised, p.detach().clone()
+
+
+@pytest.mark.timeout(60)
+def test_reference_sharded_optimizer_is_right_after_a_failed_step(world):
+    results = world.run(_step_after_an_error, None, ShardedOptimizer)
+    for raised, value in results:
+        assert raised
+        torch.testing.assert_close(value, torch.arange(6, dtype=torch.float64) - 0.5 * 2.0)
+
+
+@pytest.mark.timeout(180)
+def test_the_reference_answers_pass_their_checkers(world):
+    for name in ("adamw", "sgd"):
+        checks.check_sharded_optimizer(world, ShardedOptimizer, name, steps=10)
+    checks.check_bad_inputs(world, ShardedOptimizer)
+    checks.check_memory_predictor(world, REF["predict_memory"],
+                                  [dict(stage=0, P=4, batch=2, seq=8), dict(stage=2, P=3, batch=4, seq=32)])
+    checks.check_collective_prediction(world, REF["predict_collectives"],
+                                       [dict(zero_stage=s, layers=2, microbatches=3) for s in (0, 2, 3)])
+
+
+# ---- lab 3: the wrong answers the issue names are rejected ---------------------------------------
+
+class _FullStateEverywhere(ShardedOptimizer):
+    """Every rank keeps the whole optimizer: right values, no sharding."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        groups = list(params)
+        self.params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        self.optimizer = optimizer_cls(groups, **kwargs)
+
+    def step(self):
+        for p in self.params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        self.optimizer.step()
+
+
+class _FreshStateEveryStep(ShardedOptimizer):
+    """Rebuilds its inner optimizer before every step: right after step 1, drifts later."""
+
+    def step(self):
+        groups = [dict(g) for g in self.optimizer.param_groups]          # every option kept
+        self.optimizer = type(self.optimizer)(groups)
+        super().step()
+
+
+class _GroupOptionsLost(ShardedOptimizer):
+    """Builds the inner optimizer from the constructor's defaults only: weight decay and lr of the
+    second group are lost on every shard."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        groups = list(params)
+        flat = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        super().__init__([{"params": flat}], optimizer_cls, **kwargs)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("wrong, message", [
+    (_FullStateEverywhere, "holds .* bytes of optimizer state"),
+    (_FreshStateEveryStep, "step 1 was right and later ones drift"),
+    (_GroupOptionsLost, "each parameter group sets its own lr and weight_decay"),
+])
+def test_task_1_rejects_the_named_wrong_optimizers(world, wrong, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_sharded_optimizer(world, wrong, "adamw", steps=10)
+
+
+def test_task_1_rejects_a_class_that_accepts_bad_input(world):
+    class Lenient(ShardedOptimizer):
+        def __init__(self, params, optimizer_cls, **kwargs):
+            pass
+    with pytest.raises(AssertionError, match="accepted not an optimizer class"):
+        checks.check_bad_inputs(world, Lenient)
+
+
+def _without_transients(*args):
+    r = REF["predict_memory"](*args)
+    r["peak"] = sum(r[k] for k in ("parameters", "gradients", "optimizer_states", "activations"))
+    return r
+
+
+def _without_activations(*args):
+    r = REF["predict_memory"](*args)
+    r["peak"] -= r["activations"]
+    r["activations"] = 0
+    return r
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("wrong, message", [(_without_transients, "peak predicted"),
+                                            (_without_activations, "activations predicted 0")])
+def test_task_2_rejects_a_predictor_without_transients_or_activations(world, wrong, message):
+    for config in (dict(stage=3, P=4, batch=4, seq=32), dict(stage=1, P=2, batch=2, seq=8)):
+        with pytest.raises(AssertionError, match=message):
+            checks.check_memory_predictor(world, wrong, [config])
+
+
+def test_task_3_rejects_a_gather_count_that_forgets_backward(world):
+    def forgets_backward(zero_stage, layers, microbatches, reshard_after_forward=True):
+        counts = REF["predict_collectives"](zero_stage, layers, microbatches, reshard_after_forward)
+        if zero_stage == 3:
+            counts["all_gather"] = microbatches * layers
+        return counts
+    with pytest.raises(AssertionError, match="every microbatch needs the parameters in backward"):
+        checks.check_collective_prediction(world, forgets_backward,
+                                           [dict(zero_stage=3, layers=2, microbatches=3)])
