@@ -1,4 +1,5 @@
-"""`labkit grade LAB SUBMISSIONS_DIR [--jobs N] [--out DIR]` (the table entry in labkit/cli.py)."""
+"""`labkit grade LAB SUBMISSIONS_DIR [--jobs N] [--out DIR] [--db URL] [--shard I/N]` (the table
+entry in labkit/tools/cli.py)."""
 from __future__ import annotations
 
 
@@ -21,11 +22,15 @@ def add_arguments(parser) -> None:
                         help="seconds per cell or per call of a student function (default 60)")
     parser.add_argument("--memory-gb", type=float, default=4.0,
                         help="memory per submission, ranks included (default 4)")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="grade only shard I of N (0-based: 0/4 .. 3/4), the students whose "
+                             "id hashes to I mod N; every shard writes into one --db "
+                             "postgresql://... gradebook (docs/CLASS_SCALE.md)")
 
 
 def run(args) -> int:
     from labkit.grading.pipeline import grade
     report = grade(args.lab, args.submissions, jobs=args.jobs, out=args.out, course=args.course,
                    db_url=args.db, time_limit=args.time_limit, cell_timeout=args.cell_timeout,
-                   limits={"memory_bytes": int(args.memory_gb * (1 << 30))})
+                   limits={"memory_bytes": int(args.memory_gb * (1 << 30))}, shard=args.shard)
     return 0 if report.results is not None else 1

@@ -14,9 +14,18 @@
      OUT/feedback/<student>/<LAB>/<notebook>.html, then every feedback file is checked for
      hidden-test text; OUT/grades.csv and a printed summary close the run.
 OUT (default grading/<LAB>) is made private to the grader (mode 700): gradebook, copies, results.
+
+At class scale (docs/CLASS_SCALE.md): `shard=(i, N)` grades the students whose id hashes to i
+modulo N (sha256, so every machine picks the same ones), N shards writing into one PostgreSQL
+gradebook. The gradebook is built once, under a lock held in the database (pg_advisory_lock),
+and stamped there with the hash of solutions/<LAB>; each shard keeps its release copy in
+OUT/work/shard-i-of-N/ and writes OUT/grades-shard-i-of-N.csv; per-student folders are shared.
+Every graded submission is also recorded in labkit's own table of the gradebook (report.py), from
+which `labkit report` draws. A shard that dies is re-run alone: it regrades its own students.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import glob
@@ -51,6 +60,7 @@ class GradeReport:
     results: list
     seconds: float
     jobs: int
+    grades_csv: str = ""
 
     @property
     def scores(self) -> dict:
@@ -69,7 +79,54 @@ def find_course_root(start: str | None = None) -> str:
         here = parent
 
 
-def _config(course: str, source_root: str, out: str, db_url: str, lab: str):
+def parse_shard(text: str) -> tuple[int, int]:
+    """"i/N" -> (i, N), 0 <= i < N (0-based, like a Slurm array index or a Kubernetes
+    JOB_COMPLETION_INDEX)."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not match or not 0 <= int(match[1]) < int(match[2]):
+        raise ValueError(f"--shard {text!r}: expected i/N with 0 <= i < N, e.g. 0/4 .. 3/4")
+    return int(match[1]), int(match[2])
+
+
+def in_shard(student: str, shard: tuple[int, int] | None) -> bool:
+    """Whether `student` belongs to shard (i, N): sha256 of the id modulo N, the same on
+    every machine and Python (never the salted built-in hash)."""
+    if shard is None:
+        return True
+    index, count = shard
+    return int(hashlib.sha256(student.encode()).hexdigest()[:16], 16) % count == index
+
+
+@contextlib.contextmanager
+def gradebook_lock(db_url: str):
+    """Held while the gradebook is created or rebuilt: a PostgreSQL advisory lock (released by
+    the server if this process dies), a file lock next to an sqlite gradebook."""
+    if db_url.startswith("postgresql"):
+        from sqlalchemy import create_engine, text
+        engine = create_engine(db_url, future=True, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _LOCK_KEY})
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _LOCK_KEY})
+        finally:
+            engine.dispose()
+    elif db_url.startswith("sqlite:///"):
+        import fcntl
+        with open(db_url[len("sqlite:///"):] + ".lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+    else:
+        yield
+
+
+_LOCK_KEY = int(hashlib.sha256(b"labkit grade: gradebook").hexdigest()[:15], 16)
+
+
+def _config(course: str, source_root: str, out: str, db_url: str, lab: str,
+            private: str | None = None):
     from traitlets.config import Config
     from traitlets.config.loader import PyFileConfigLoader
     config = Config()
@@ -79,7 +136,7 @@ def _config(course: str, source_root: str, out: str, db_url: str, lab: str):
     work = os.path.join(out, "work")
     config.CourseDirectory.root = course
     config.CourseDirectory.source_directory = source_root
-    config.CourseDirectory.release_directory = os.path.join(work, "release")
+    config.CourseDirectory.release_directory = os.path.join(private or work, "release")
     config.CourseDirectory.submitted_directory = os.path.join(work, "submitted")
     config.CourseDirectory.autograded_directory = os.path.join(work, "autograded")
     config.CourseDirectory.feedback_directory = os.path.join(out, "feedback")
@@ -133,18 +190,49 @@ def _tree_hash(path: str) -> str:
     return digest.hexdigest()
 
 
-def build_gradebook(config, source_root: str, lab: str, out: str) -> None:
-    """nbgrader generate_assignment into a private release folder, when solutions/ changed."""
-    stamp_path = os.path.join(out, "work", f"gradebook-{lab}.stamp")
-    stamp = _tree_hash(os.path.join(source_root, lab)) + "|" + config.CourseDirectory.db_url
-    if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
+def build_gradebook(config, source_root: str, lab: str, out: str,
+                    private: str | None = None) -> None:
+    """nbgrader generate_assignment, when solutions/<LAB> changed: into the gradebook (once for
+    all shards: under gradebook_lock, stamped in the database) and into this run's private
+    release folder (from a throwaway gradebook when the shared one is already up to date)."""
+    import copy
+    from labkit.grading.report import ClassRecord
+    from nbgrader.api import Gradebook
+    private = private or os.path.join(out, "work")
+    stamp_path = os.path.join(private, f"release-{lab}.stamp")
+    source_hash = _tree_hash(os.path.join(source_root, lab))
+    db_url = config.CourseDirectory.db_url
+    _api(config)                                  # puts alembic on PATH for Gradebook()
+    record = ClassRecord(db_url)
+    try:
+        with gradebook_lock(db_url):
+            Gradebook(db_url, config.CourseDirectory.course_id).close()   # nbgrader's tables
+            record.create()                                                # then labkit's
+            if record.source_hash(lab) != source_hash:
+                _generate(config, lab)
+                record.set_source_hash(lab, source_hash)
+                with open(stamp_path, "w") as f:
+                    f.write(source_hash)
+                return
+    finally:
+        record.close()
+    release = os.path.join(config.CourseDirectory.release_directory, lab)
+    if os.path.isdir(release) and os.path.exists(stamp_path) and \
+            open(stamp_path).read() == source_hash:
         return
+    with tempfile.TemporaryDirectory(prefix="labkit-release-") as scratch:
+        local = copy.deepcopy(config)                 # same release, a gradebook of its own
+        local.CourseDirectory.db_url = "sqlite:///" + os.path.join(scratch, "release.db")
+        _generate(local, lab)
+    with open(stamp_path, "w") as f:
+        f.write(source_hash)
+
+
+def _generate(config, lab: str) -> None:
     result = _api(config).generate_assignment(lab, force=True, create=True)
     if not result["success"]:
         raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n"
                            f"{result.get('error') or result.get('log')}")
-    with open(stamp_path, "w") as f:
-        f.write(stamp)
 
 
 def find_submissions(submissions_dir: str, lab: str, notebook_ids: list) -> dict:
@@ -266,9 +354,18 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> None:
 
 def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | None = None,
           course: str | None = None, db_url: str | None = None, time_limit: float = 300.0,
-          cell_timeout: float = 60.0, limits: dict | None = None, log=print) -> GradeReport:
-    """Grade every submission of `lab` in `submissions_dir`; see the module docstring."""
+          cell_timeout: float = 60.0, limits: dict | None = None, log=print,
+          shard: tuple[int, int] | str | None = None) -> GradeReport:
+    """Grade every submission of `lab` in `submissions_dir` (or shard (i, N) of them, see
+    in_shard); see the module docstring."""
     started = time.monotonic()
+    shard = parse_shard(shard) if isinstance(shard, str) else shard
+    shard = shard if shard and shard[1] > 1 else None
+    if shard and not (db_url or "").startswith("postgresql"):
+        raise ValueError(f"--shard {shard[0]}/{shard[1]} needs a gradebook every shard can "
+                         f"write to at once: pass --db postgresql://USER@HOST/DATABASE "
+                         f"(got {db_url or 'the default sqlite file'}); see docs/CLASS_SCALE.md")
+    shard_name = f"{shard[0]}/{shard[1]}" if shard else "-"
     course = find_course_root(course)
     source_root = os.path.join(course, "solutions")
     source_dir = os.path.join(source_root, lab)
@@ -278,26 +375,34 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     os.makedirs(out, exist_ok=True)
     os.chmod(out, 0o700)
     work = os.path.join(out, "work")
-    for sub in ("submitted", "autograded", "results", "release"):
+    private = os.path.join(work, f"shard-{shard[0]}-of-{shard[1]}") if shard else work
+    for sub in ("submitted", "autograded", "results"):
         os.makedirs(os.path.join(work, sub), exist_ok=True)
+    os.makedirs(os.path.join(private, "release"), exist_ok=True)
     db_url = db_url or "sqlite:///" + os.path.join(out, "gradebook.db")
-    config = _config(course, source_root, out, db_url, lab)
-    build_gradebook(config, source_root, lab, out)
+    config = _config(course, source_root, out, db_url, lab, private)
+    build_gradebook(config, source_root, lab, out, private)
     if db_url.startswith("sqlite:///") and os.path.exists(db_url[len("sqlite:///"):]):
         os.chmod(db_url[len("sqlite:///"):], 0o600)
     notebook_ids = sorted(os.path.splitext(os.path.basename(p))[0]
                           for p in glob.glob(os.path.join(source_dir, "*.ipynb")))
-    submissions = find_submissions(os.path.abspath(submissions_dir), lab, notebook_ids)
+    submissions = {student: notebooks for student, notebooks in
+                   find_submissions(os.path.abspath(submissions_dir), lab, notebook_ids).items()
+                   if in_shard(student, shard)}
     jobs = max(1, min(int(jobs or os.cpu_count() or 1), max(1, len(submissions))))
 
     # data files the lab ships next to its notebooks (labs/<lab>/ minus notebooks)
-    release = os.path.join(work, "release", lab)
-    seed = os.path.join(work, "seed")
+    release = os.path.join(private, "release", lab)
+    seed = os.path.join(private, "seed")
     shutil.rmtree(seed, ignore_errors=True)
     shutil.copytree(release, seed, symlinks=False,
                     ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
 
     run_id = secrets.token_hex(6)
+    # this run's results in a folder of its own: a grading process left over from a killed run
+    # of the same students can never overwrite them
+    results_dir = os.path.join(work, "results", f"run-{run_id}")
+    os.makedirs(results_dir)
     sandbox_base = tempfile.mkdtemp(prefix="labkit-grading-")
     copy_problems, job_list, nonces = {}, [], {}
     for student, notebooks in submissions.items():
@@ -305,9 +410,7 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
         shutil.rmtree(dest, ignore_errors=True)
         copy_problems[student] = _copy_submission(notebooks, dest, source_dir)
         nonces[student] = secrets.token_hex(16)
-        result_path = os.path.join(work, "results", f"{student}.json")
-        if os.path.exists(result_path):
-            os.remove(result_path)
+        result_path = os.path.join(results_dir, f"{student}.json")
         job_list.append({
             "student": student, "lab": lab, "source_dir": source_dir, "db_url": db_url,
             "notebooks": {nb: os.path.join(dest, f"{nb}.ipynb") for nb in notebooks
@@ -315,7 +418,8 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
             "run_dir": os.path.join(sandbox_base, run_id, student), "seed_dir": seed,
             "nonce": nonces[student], "result_path": result_path, "time_limit": time_limit,
             "cell_timeout": cell_timeout, "limits": dict(limits or {})})
-    log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time")
+    log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time"
+        + (f" (shard {shard_name})" if shard else ""))
     try:
         _run_workers(job_list, jobs, time_limit, log)
     finally:
@@ -324,8 +428,11 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     executed = time.monotonic()
 
     config.InjectVerdicts.nonces = nonces
+    config.InjectVerdicts.results_dir = results_dir
     config.ScrubHidden.hidden = _hidden_texts(source_dir, notebook_ids)
     api = _api(config)
+    from labkit.grading.report import ClassRecord, failure_kinds
+    record = ClassRecord(db_url)
     results = []
     for job in job_list:
         student = job["student"]
@@ -350,10 +457,18 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
         if leaks:
             problems.append(f"feedback withheld: it quoted hidden tests ({leaks[0]})")
         score, max_score = _score(api, lab, student)
-        results.append(StudentResult(student, score, max_score,
-                                     float(worker_result.get("seconds", 0.0)), problems))
-    _write_csv(os.path.join(out, "grades.csv"), results)
-    report = GradeReport(lab, out, results, time.monotonic() - started, jobs)
+        seconds = float(worker_result.get("seconds", 0.0))
+        results.append(StudentResult(student, score, max_score, seconds, problems))
+        autograded = glob.glob(os.path.join(work, "autograded", student, lab, "*.ipynb"))
+        record.save(lab, student, seconds, problems, failure_kinds(autograded), shard_name)
+        if os.path.exists(job["result_path"]):         # kept where the guide says
+            os.replace(job["result_path"], os.path.join(work, "results", f"{student}.json"))
+    record.close()
+    shutil.rmtree(results_dir, ignore_errors=True)
+    grades_csv = os.path.join(out, f"grades-shard-{shard[0]}-of-{shard[1]}.csv" if shard
+                              else "grades.csv")
+    _write_csv(grades_csv, results)
+    report = GradeReport(lab, out, results, time.monotonic() - started, jobs, grades_csv)
     log(summary(report, executed - started))
     return report
 
@@ -407,7 +522,8 @@ def summary(report: GradeReport, execute_seconds: float) -> str:
                      f"{r.seconds:>6.1f}  {'; '.join(r.problems) or '-'}")
     lines.append(f"{len(report.results)} submissions in {report.seconds:.1f} s "
                  f"({execute_seconds:.1f} s executing, {report.jobs} at a time); "
-                 f"grades: {os.path.join(report.out, 'grades.csv')}, feedback: "
+                 f"grades: {report.grades_csv or os.path.join(report.out, 'grades.csv')}, "
+                 f"feedback: "
                  f"{os.path.join(report.out, 'feedback')}/")
     return "\n".join(lines)
 
