@@ -352,3 +352,28 @@ def test_lab_executor_passes_and_wrong_executors_fail_their_own_checks(world3):
         lab_checks.check_executor_traffic(world3, gathers_everything, "interleaved", 3, 2)
     with pytest.raises(labkit.RankError, match="task 3"):
         lab_checks.check_executor(world3, pipeline.run_actions, "interleaved", 3, 2)
+
+
+def _two_pipelines(m):
+    """Ranks {0, 1} and {2, 3}: two pipelines of 2 stages on their own groups, each with its own
+    data (the pipeline axis of a dp = 2 x pp = 2 mesh, as chapter 6 uses run_actions)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    k = rank % 2
+    piece = pipeline.cut(pipeline.make_model(0), 2)[k]
+    tokens, targets = pipeline.microbatches(1 + rank // 2, m)
+    pipeline.run_actions(one_f_one_b(2, m)[k], piece, pipeline.bench.activation_shape(tokens),
+                         tokens if k == 0 else None, targets if k == 1 else None,
+                         group=groups[rank // 2])
+    return piece.gradients()
+
+
+@pytest.mark.timeout(120)
+def test_reference_executor_runs_on_a_subgroup_for_chapter_6():
+    world = labkit.world(4, timeout=60)
+    results = world.run(_two_pipelines, 3)
+    for replica in (0, 1):
+        tokens, targets = pipeline.microbatches(1 + replica, 3)
+        got = {**results[2 * replica], **results[2 * replica + 1]}
+        checks.check(got, pipeline.reference_gradients(0, tokens, targets), f"pipeline {replica}",
+                     rtol=1e-9, atol=1e-12)

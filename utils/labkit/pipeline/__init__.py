@@ -10,15 +10,14 @@ Notation: p stages (one rank each), m microbatches, v model chunks per rank (int
 S = v p virtual stages, chunk c of rank r = virtual stage c p + r. Actions: F (forward), B
 (backward), I and W (the input-gradient and weight-gradient halves of a backward).
 
-| module | what |
-|---|---|
-| `schedules.py` | `Action`, parsing and printing, GPipe, interleaved 1F1B (v >= 2), the zero-bubble variant of a given 1F1B, torch's own orders (`torch_schedule`) |
-| `analysis.py` | `check_schedule`: structure, deadlocks (buffered and blocking sends), unit-cost timeline, bubble, activations alive, link order; the bubble formulas |
-| `bench.py` | the model cut into pieces, ragged microbatches, the single-process reference |
-| `executor.py` | `run_actions`: one piece per rank (v = 1) runs F/B/I/W with point-to-point messages; a virtual clock; activation bytes; `pipeline_step` for the bench |
-| `torch_runs.py` | `torch_step`: torch.distributed.pipelining's schedules on the same bench |
-| `plots.py` | timelines drawn from a simulation or from the ranks' events; the measured bubble |
-| `checks.py` | lab 5's checkers |
+Modules: `schedules.py` (Action, parsing and printing, GPipe, interleaved 1F1B for v >= 2, the
+zero-bubble variant of a given 1F1B, torch's own orders), `analysis.py` (check_schedule:
+structure, deadlocks with buffered and blocking sends, unit-cost timeline and bubble, activations
+alive, link order; the bubble formulas), `bench.py` (the model cut into pieces, ragged
+microbatches, the single-process reference), `executor.py` (run_actions: one piece per rank runs
+F/B/I/W with point-to-point messages, a virtual clock, activation bytes; pipeline_step(s) for the
+bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench), `plots.py`
+(timelines; the measured bubble), `checks.py` (lab 5's checkers).
 
 Not here (lab 5): a 1F1B generator, the deadlock cycle finder, an executor for v chunks per rank,
 the timeline with per-stage costs and message time.
@@ -42,6 +41,7 @@ __all__ = [
     "torch_schedule", "torch_pipeline_order", "check_schedule", "Report", "Deadlock", "validate",
     "simulate", "simulate_blocking_sends", "peak_alive", "link_order", "bubble_formula",
     "bubble_ratio_formula", "make_model", "cut", "microbatches", "reference_gradients",
-    "token_count", "run_actions", "pipeline_step", "pipeline_steps", "ActivationMeter", "torch_step",
+    "token_count", "run_actions", "pipeline_step", "pipeline_steps", "ActivationMeter",
+    "torch_step",
     "draw_timeline", "events_timeline", "measured_bubble",
 ]

@@ -332,8 +332,9 @@ def check_timeline(fn, schedule, m: int, costs: list, latency: float = 0.0,
     name = f"timeline of {what} (p = {p}, m = {m}, latency {latency})"
     got = fn(plain_schedule(schedule), m, [dict(c) for c in costs], latency)
     if not isinstance(got, (list, tuple)) or len(got) != p:
+        size = len(got) if hasattr(got, "__len__") else "?"
         raise AssertionError(f"{name}: expected one list of (start, end) per stage ({p}), got "
-                             f"{type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}")
+                             f"{type(got).__name__} of length {size}")
     end = {}
     for k, actions in enumerate(schedule):
         if len(got[k]) != len(actions):
@@ -381,8 +382,8 @@ def check_bubble(fn, schedule, m: int, costs: list, latency: float, expected: fl
             from None
     if not math.isclose(value, expected, rel_tol=TOLERANCE, abs_tol=TOLERANCE):
         raise AssertionError(f"bubble_fraction of {what} (p = {len(schedule)}, m = {m}, latency "
-                             f"{latency}) is {value:.6f}, expected {expected:.6f}: the idle time of "
-                             "every stage over p x the step (from 0 to the last end)")
+                             f"{latency}) is {value:.6f}, expected {expected:.6f}: the idle "
+                             "time of every stage over p x the step (from 0 to the last end)")
     return value
 
 

@@ -223,10 +223,10 @@ def pipeline_step(schedule, case: dict, costs=None, sends="buffered", clock=Fals
     """On every rank of the world: one step of `schedule` on the bench model of `case`.
 
     case: {"model_seed", "data_seed", "m"} and optionally "b", "T", "layers", "hidden", "dtype"
-    ("float64" by default) and "weights" (relative stage sizes). Each rank builds the same model, keeps its piece (stage = rank), and runs its actions;
-    stage 0 sees the tokens, the last stage the targets. costs: one dict for every stage, or a list
-    of dicts, one per stage (unbalanced stages); clock_costs likewise. Returns run_actions'
-    result plus "grads".
+    ("float64" by default) and "weights" (relative stage sizes). Each rank builds the same model,
+    keeps its piece (stage = rank), and runs its actions; stage 0 sees the tokens, the last stage
+    the targets. costs: one dict for every stage, or a list of dicts, one per stage (unbalanced
+    stages); clock_costs likewise. Returns run_actions' result plus "grads".
     """
     from labkit.pipeline import bench
     rank, p = dist.get_rank(), dist.get_world_size()
