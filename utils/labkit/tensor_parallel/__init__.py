@@ -234,25 +234,13 @@ def activation_elements(B, T, H, A, F, heads, tp=1, sequence_parallel=False):
       the input of fc2):                      (4 B T A + heads B T^2 + 2 B T F) / t
     With sequence parallelism the LayerNorm part is split too; the inputs of the column-parallel
     layers are all-gathered and kept whole (2 B T H) unless backward gathers them again, as
-    Megatron-LM does."""
+    Megatron-LM does. The paper's own per-layer formula (16-bit, dropout, F = 4H) is chapter 3's
+    `labkit.memory.ledger.activation_bytes_per_layer`."""
     split = 4 * B * T * A + heads * B * T * T + 2 * B * T * F
     layernorm, column_inputs = 2 * B * T * H + 4 * B * T, 2 * B * T * H
     if not sequence_parallel:
         return layernorm + column_inputs + split / tp
     return column_inputs + (layernorm + split) / tp
-
-
-def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False):
-    """Activation bytes per transformer layer in Korthikanti et al. 2022 ("Reducing Activation
-    Recomputation in Large Transformer Models", eqs. 1-3): 16-bit activations, 1-byte dropout
-    masks, an MLP of width 4h, a heads.
-        no parallelism          s b h (34 + 5 a s / h)
-        tensor parallel         s b h (10 + 24 / t + 5 a s / (h t))
-        + sequence parallel     s b h (34 / t + 5 a s / (h t))"""
-    if not sequence_parallel:
-        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) if t > 1 else s * b * h * (
-            34 + 5 * a * s / h)
-    return s * b * h * (34 / t + 5 * a * s / (h * t))
 
 
 # ---- interconnects: vendor documentation, quoted (nothing here was measured) -------------------
