@@ -3,7 +3,7 @@
     check_column_parallel(world, ColumnParallelLinear, 10, 36, gather_output=True)
     check_row_parallel(world, RowParallelLinear, 36, 10, input_is_parallel=False)
     check_block(world, shard_block, tp_block)                 # outputs and gradients
-    check_block_traffic(world, shard_block, tp_block)         # one all-reduce per sub-block each way
+    check_block_traffic(world, shard_block, tp_block)    # one all-reduce per sub-block, each way
     check_vocab_cross_entropy(world, vocab_parallel_cross_entropy, tokens=96, vocab=50)
     check_vocab_traffic(world, vocab_parallel_cross_entropy)  # bytes grow with N, not with V
 
