@@ -20,6 +20,7 @@ page before it is written; text that quotes one is withheld.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
@@ -122,3 +123,236 @@ def failure_kinds(notebook_paths: list) -> dict:
                 failures[cell.metadata.nbgrader.get("grade_id", "?")] = \
                     kind if _KIND.match(kind) else "Other"
     return failures
+
+
+# --- the report (`labkit report LAB`) ---------------------------------------------------------
+@dataclasses.dataclass
+class ClassData:
+    lab: str
+    tasks: list            # [(grade_id, notebook, max_score)], in notebook order
+    scores: dict           # student -> (score, max_score)
+    task_scores: dict      # student -> {grade_id: score}
+    record: dict           # student -> labkit_grading row (seconds, problems, failures, shard)
+    hidden: list           # every hidden-test line of the gradebook's test cells
+
+
+def load(db_url: str, lab: str, course_id: str = "") -> ClassData:
+    """Everything the report shows, from nbgrader's tables and labkit's."""
+    from nbgrader.api import Gradebook, MissingEntry
+    from labkit.grading import notebook as nbtools
+    with Gradebook(db_url, course_id) as gb:
+        try:
+            assignment = gb.find_assignment(lab)
+        except MissingEntry:
+            raise LookupError(f"the gradebook {_safe_url(db_url)} has no lab {lab!r}: grade it "
+                              f"first (labkit grade {lab} SUBMISSIONS --db ...)") from None
+        tasks, hidden = [], []
+        for notebook in assignment.notebooks:
+            sources = {c.name: c.source for c in notebook.source_cells}
+            for cell in sorted(notebook.grade_cells, key=lambda c: c.id):
+                tasks.append((cell.name, notebook.name, float(cell.max_score)))
+                hidden += nbtools.hidden_texts(sources.get(cell.name, ""))
+        order = {}
+        for notebook in assignment.notebooks:     # grade cells in the order of the source
+            for index, cell in enumerate(notebook.source_cells):
+                order[(notebook.name, cell.name)] = index
+        tasks.sort(key=lambda t: (t[1], order.get((t[1], t[0]), 0)))
+        scores, task_scores = {}, {}
+        for submission in gb.assignment_submissions(lab):
+            student = submission.student.id
+            scores[student] = (float(submission.score), float(submission.max_score))
+            task_scores[student] = {g.name: float(g.score) for nb in submission.notebooks
+                                    for g in nb.grades}
+    record = ClassRecord(db_url)
+    try:
+        rows = record.rows(lab)
+    finally:
+        record.close()
+    return ClassData(lab, tasks, scores, task_scores, rows, hidden)
+
+
+def _safe_url(db_url: str) -> str:
+    return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", db_url)
+
+
+def task_table(data: ClassData) -> list:
+    """Per test cell: passed, failed, pass rate, mean score, failures by kind; most failed first."""
+    rows = []
+    for grade_id, notebook, max_score in data.tasks:
+        got = [s.get(grade_id, 0.0) for s in data.task_scores.values()]
+        passed = sum(1 for g in got if g >= max_score)
+        kinds = {}
+        for student, s in data.task_scores.items():
+            if s.get(grade_id, 0.0) < max_score:
+                failures = data.record.get(student, {}).get("failures", {})
+                kind = failures.get(grade_id, "not recorded")
+                kinds[kind] = kinds.get(kind, 0) + 1
+        rows.append({"task": grade_id, "notebook": notebook, "max": max_score,
+                     "submissions": len(got), "passed": passed, "failed": len(got) - passed,
+                     "pass_rate": passed / len(got) if got else 0.0,
+                     "mean": statistics.fmean(got) if got else 0.0,
+                     "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))})
+    return sorted(rows, key=lambda r: (r["pass_rate"], r["task"]))
+
+
+def _png(figure) -> str:
+    import matplotlib.pyplot as plt
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(figure)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def figures(data: ClassData, tasks: list) -> dict:
+    """{title: base64 PNG}: total scores, per-task scores, failures by kind, grading time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    out = {}
+    total_max = sum(t[2] for t in data.tasks) or 1.0
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    edges = ([i - 0.5 for i in range(int(total_max) + 2)] if total_max <= 30
+             else [total_max * i / 20 for i in range(21)])          # one bar per point
+    ax.hist([s for s, _ in data.scores.values()], bins=edges, color="#3b6ea8",
+            edgecolor="white")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel=f"score (of {total_max:g})", ylabel="submissions",
+           title=f"{data.lab}: total scores ({len(data.scores)} submissions)")
+    out["Total scores"] = _png(fig)
+
+    names = [t["task"] for t in reversed(tasks)]
+    height = max(2.5, 0.45 * len(names) + 1)
+    fig, ax = plt.subplots(figsize=(7, height))
+    full = [t["passed"] for t in reversed(tasks)]
+    partial = [sum(1 for s in data.task_scores.values() if 0 < s.get(t["task"], 0) < t["max"])
+               for t in reversed(tasks)]
+    zero = [t["submissions"] - f - p for t, f, p in zip(reversed(tasks), full, partial)]
+    ax.barh(names, full, color="#4c9a5b", label="full points")
+    ax.barh(names, partial, left=full, color="#e0b341", label="partial")
+    ax.barh(names, zero, left=[f + p for f, p in zip(full, partial)], color="#c4504a",
+            label="zero")
+    for y, t in enumerate(reversed(tasks)):
+        ax.text(t["submissions"], y, f" {100 * t['pass_rate']:.0f}% pass", va="center")
+    ax.set(xlabel="submissions", title="Scores per test cell (most failed on top)",
+           xlim=(0, max([t["submissions"] for t in tasks] + [1]) * 1.25))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    out["Scores and pass rate per test cell"] = _png(fig)
+
+    kinds = sorted({k for t in tasks for k in t["kinds"]})
+    fig, ax = plt.subplots(figsize=(7, height))
+    left = [0] * len(names)
+    colors = plt.get_cmap("tab10")
+    for i, kind in enumerate(kinds):
+        counts = [t["kinds"].get(kind, 0) for t in reversed(tasks)]
+        ax.barh(names, counts, left=left, color=colors(i % 10), label=kind)
+        left = [a + b for a, b in zip(left, counts)]
+    ax.set(xlabel="failed submissions", title="Failures per test cell, by kind")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if kinds:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    out["Failures by kind"] = _png(fig)
+
+    seconds = [r["seconds"] for r in data.record.values()]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.hist(seconds or [0.0], bins=20, color="#6b5ca5", edgecolor="white")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="seconds (sandbox and trusted run, per submission)", ylabel="submissions",
+           title="Grading time per submission")
+    out["Grading time per submission"] = _png(fig)
+    return out
+
+
+def _withheld(text: str, hidden: list) -> str:
+    return "[withheld: it quoted a hidden test]" if any(h in text for h in hidden) else text
+
+
+def render(data: ClassData) -> str:
+    tasks = task_table(data)
+    e = html.escape
+    scores = [s for s, _ in data.scores.values()]
+    seconds = sorted(r["seconds"] for r in data.record.values())
+    shards = sorted({r["shard"] for r in data.record.values()})
+    problems = [(s, data.scores.get(s, (0.0, 0.0))[0], r["seconds"], r["problems"])
+                for s, r in sorted(data.record.items()) if r["problems"]]
+    unrecorded = sorted(set(data.scores) - set(data.record))
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(data.lab)}: class "
+             "report</title><style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em;"
+             "text-align:left}img{max-width:100%}</style></head><body>",
+             f"<h1>{e(data.lab)}: class report</h1>",
+             f"<p>{len(data.scores)} graded submissions; mean score "
+             f"{statistics.fmean(scores) if scores else 0:.2f}, median "
+             f"{statistics.median(scores) if scores else 0:g} of "
+             f"{sum(t[2] for t in data.tasks):g}; grading time median "
+             f"{statistics.median(seconds) if seconds else 0:.1f} s, max "
+             f"{max(seconds) if seconds else 0:.1f} s; shards: {e(', '.join(shards)) or '-'}."
+             "</p>"]
+    for title, png in figures(data, tasks).items():
+        parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' "
+                     f"src='data:image/png;base64,{png}'>")
+    parts.append("<h2>Test cells, most failed first</h2><table><tr><th>test cell</th>"
+                 "<th>notebook</th><th>points</th><th>pass rate</th><th>mean</th>"
+                 "<th>failures by kind</th></tr>")
+    for t in tasks:
+        kinds = ", ".join(f"{k} &times;{n}" for k, n in ((e(k), n) for k, n in t["kinds"].items()))
+        parts.append(f"<tr><td>{e(t['task'])}</td><td>{e(t['notebook'])}</td><td>{t['max']:g}"
+                     f"</td><td>{100 * t['pass_rate']:.0f}% ({t['passed']}/{t['submissions']})"
+                     f"</td><td>{t['mean']:.2f}</td><td>{kinds or '-'}</td></tr>")
+    parts.append("</table><p>Kinds: the error class the test cell ended with. "
+                 "<code>HiddenTestFailed</code>: a hidden line failed (what it checks is not "
+                 "shown); <code>NotGraded</code>: the trusted run has no verdict for the cell "
+                 "(a timeout, a dead kernel, a changed cell); <code>TimeLimit</code>: the "
+                 "submission's time ran out first.</p>")
+    parts.append(f"<h2>Submissions with problems ({len(problems)})</h2>")
+    if problems:
+        parts.append("<table><tr><th>student</th><th>score</th><th>seconds</th>"
+                     "<th>problems</th></tr>")
+        for student, score, secs, found in problems:
+            text = "<br>".join(e(_withheld(p, data.hidden)) for p in found)
+            parts.append(f"<tr><td>{e(student)}</td><td>{score:g}</td><td>{secs:.1f}</td>"
+                         f"<td>{text}</td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>None.</p>")
+    if unrecorded:
+        parts.append(f"<p>In nbgrader's gradebook but not graded by labkit grade (no time, "
+                     f"no problems recorded): {e(', '.join(unrecorded))}.</p>")
+    parts.append("<p>Manual review: nbgrader's formgrader works on the same gradebook.</p>"
+                 "</body></html>")
+    page = "\n".join(parts)
+    leaked = [h for h in data.hidden if h in page or e(h) in page]
+    if leaked:
+        raise RuntimeError(f"the report would quote {len(leaked)} hidden-test line(s); "
+                           "not written")
+    return page
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("lab", help="lab name, as graded (solutions/<LAB>/)")
+    parser.add_argument("--db", default=None, help="gradebook URL (default: the sqlite "
+                        "gradebook of `labkit grade`, grading/<LAB>/gradebook.db)")
+    parser.add_argument("--out", default=None, help="HTML file to write (default: "
+                        "grading/<LAB>/report.html)")
+    parser.add_argument("--course", default=None, help="course repository (default: here)")
+
+
+def run(args) -> int:
+    from labkit.grading.pipeline import find_course_root
+    folder = None
+    if not args.db or not args.out:
+        folder = os.path.join(find_course_root(args.course), "grading", args.lab)
+    db_url = args.db or "sqlite:///" + os.path.join(folder, "gradebook.db")
+    if db_url.startswith("sqlite:///") and not os.path.exists(db_url[len("sqlite:///"):]):
+        raise FileNotFoundError(f"no gradebook at {db_url[len('sqlite:///'):]}: grade the lab "
+                                "first, or pass --db")
+    data = load(db_url, args.lab)
+    out = os.path.abspath(args.out or os.path.join(folder, "report.html"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(render(data))
+    os.chmod(out, 0o600)
+    print(f"labkit report {args.lab}: {len(data.scores)} submissions, {len(data.tasks)} test "
+          f"cells -> {out}")
+    return 0

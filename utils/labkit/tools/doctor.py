@@ -245,7 +245,8 @@ def check_db(db_url: str) -> Check:
             engine.dispose()
     except ModuleNotFoundError as error:
         return Check("FAIL", "gradebook", f"no database driver for {db_url.split(':')[0]} "
-                     f"({error.name})", "pip install psycopg2-binary", "grade")
+                     f"({error.name})", "pip install 'psycopg[binary]' (SQLAlchemy's driver "
+                     "for postgresql:// URLs)", "grade")
     except Exception as error:  # noqa: BLE001
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         return Check("FAIL", "gradebook", f"cannot connect: {type(error).__name__}: {first}",
