@@ -215,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for lab in labs:
         print(f"released solutions/{lab}/ -> labs/{lab}/")
-    stale = [p.name for p in (root / "labs").iterdir() if p.is_dir() and p.name not in labs]
+    sources = set(lab_sources(root))
+    stale = [p.name for p in (root / "labs").iterdir() if p.is_dir() and p.name not in sources]
     for name in stale:
         print(f"labkit release: labs/{name} has no source in solutions/; delete it", file=sys.stderr)
     return 1 if stale else 0
