@@ -1,0 +1,151 @@
+"""The step-time and memory model of a 3D-parallel configuration (chapter 6, sections 2 and 4).
+
+    config = {"dp": 24, "tp": 8, "pp": 8, "zero_stage": 1, "microbatches": 96}
+    cost = predict(model, cluster.with_nodes(192), config, global_batch=2304)
+    cost["step_time"], cost["memory"], cost["fits"], cost["breakdown"]
+
+Every piece is a formula of an earlier chapter, per rank and per step (b = global_batch / (dp m)
+sequences per microbatch, s tokens each, h hidden, 2-byte activations and gradients):
+
+    compute    F / (N peak eff)        F: Narayanan et al.'s FLOPs per step (eq. 3): 72 B s L h^2
+                                       (1 + s/(6h) + V/(12 L h)), 96 ... V/(16 L h) with full
+                                       recomputation (the forward runs twice)
+    bubble     compute x (pp - 1) / m  1F1B (chapter 5: bubble over ideal time)
+    tp         k (L/pp) m x 2(tp-1)/tp x b s h 2 / bw_tp    k = 4 all-reduces per layer (chapter
+                                       4), 6 with full recomputation (the forward's two again)
+    pp         2 m x b s h 2 / bw_pp   an activation forward and a gradient back per microbatch
+    dp         ZeRO's wire bytes of the rank's Psi / (tp pp) parameters (chapter 3,
+               `ledger.wire_bytes_per_rank`): 2 Psi' for DP and ZeRO-1, (1 + m) Psi' for ZeRO-2,
+               3 m Psi' for ZeRO-3, times (dp-1)/dp, 2 bytes each, / bw_dp
+    latency    alpha x (collectives and messages of the step)
+
+bw_axis is the fast link inside a node when every group of the axis stays inside one node
+(`layout.inside_node`, the course's order (dp, pp, tp)), else the link between nodes. Nothing
+overlaps: the model is a sum, an upper bound of what a tuned job takes. Memory is chapter 3's
+per-rank ledger (`memory.ledger.per_rank_ledger`, 1F1B, the peak with transients).
+
+Assumed, not measured, and stated where used: `efficiency` (the fraction of peak a GPU reaches on
+this model's matrix products; Narayanan et al. report 44-52% of peak end to end) and `alpha` (a
+collective's fixed cost, tens of microseconds on GPU clusters).
+"""
+from __future__ import annotations
+
+from labkit.memory import ledger
+from labkit.mesh import layout
+from labkit.mesh.figures import Cluster, Model
+
+EFFICIENCY = 0.6
+ALPHA = 20e-6
+BYTES = 2                      # BF16 activations, gradients and weights on the wire
+
+
+def flops_per_step(model: Model, global_batch: int, recompute: str = "full") -> float:
+    """Narayanan et al. 2021, eq. 3: matrix-product FLOPs of one step of `global_batch` sequences.
+    Per layer and token a forward costs 24 h^2 + 4 s h, the logits 2 V h; backward twice that."""
+    B, s, L, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
+    if recompute == "full":
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def problems(model: Model, cluster: Cluster, config: dict, global_batch: int) -> list:
+    """Why `config` cannot run `model` on `cluster` (empty when it can)."""
+    found = []
+    keys = ("dp", "tp", "pp", "zero_stage", "microbatches")
+    missing = [k for k in keys if k not in config]
+    if missing:
+        return [f"config needs {', '.join(keys)}; missing {missing}"]
+    dp, tp, pp, stage, m = (config[k] for k in keys)
+    for name in ("dp", "tp", "pp", "microbatches"):
+        value = config[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found.append(f"{name} must be a positive int, got {value!r}")
+    if found:
+        return found
+    if stage not in ledger.STAGES:
+        found.append(f"zero_stage must be one of {ledger.STAGES}, got {stage!r}")
+    if dp * tp * pp != cluster.gpus:
+        found.append(f"GPUs ({cluster.gpus}) != dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp}")
+    if model.heads % tp:
+        found.append(f"tp ({tp}) does not divide the heads ({model.heads})")
+    if model.layers % pp:
+        found.append(f"pp ({pp}) does not divide the layers ({model.layers})")
+    if global_batch % (dp * m):
+        found.append(f"global batch ({global_batch}) is not dp ({dp}) x microbatches ({m}) x "
+                     f"a whole micro-batch")
+    return found
+
+
+def axis_bytes(model: Model, config: dict, global_batch: int, recompute: str = "full") -> dict:
+    """Bytes one rank sends per step on each axis, and the collectives or messages it issues."""
+    dp, tp, pp, stage, m = (config[k] for k in ("dp", "tp", "pp", "zero_stage", "microbatches"))
+    b = global_batch // (dp * m)
+    activation = b * model.seq * model.hidden * BYTES                 # one [b, s, h] tensor
+    per_layer = 6 if recompute == "full" else 4
+    layers = model.layers // pp
+    tp_calls = per_layer * layers * m if tp > 1 else 0
+    tp_bytes = tp_calls * 2 * (tp - 1) / tp * activation
+    pp_calls = 2 * m if pp > 1 else 0
+    psi_rank = model.parameters / (tp * pp)
+    dp_bytes = (ledger.wire_bytes_per_rank(psi_rank, dp, stage, BYTES, microbatches=m)
+                if dp > 1 else 0.0)
+    dp_calls = {0: 2, 1: 2, 2: 1 + m, 3: 3 * m}[stage] * layers if dp > 1 else 0
+    return {"tp": tp_bytes, "pp": pp_calls * activation, "dp": dp_bytes,
+            "calls": {"tp": tp_calls, "pp": pp_calls, "dp": dp_calls}}
+
+
+def bandwidths(cluster: Cluster, config: dict) -> dict:
+    """{axis: bytes/s}: the link inside a node if every group of the axis fits in one node."""
+    dp, tp, pp = config["dp"], config["tp"], config["pp"]
+    return {axis: cluster.intra_bw if layout.inside_node(axis, dp, pp, tp, cluster.gpus_per_node)
+            else cluster.inter_bw for axis in ("tp", "pp", "dp")}
+
+
+def memory(model: Model, config: dict, global_batch: int, recompute: str = "full") -> dict:
+    """Chapter 3's per-rank ledger for this configuration (1F1B, peak with transients)."""
+    m = config["microbatches"]
+    return ledger.per_rank_ledger(
+        model.layers, model.hidden, model.heads, model.seq, global_batch // (config["dp"] * m),
+        vocab=model.vocab, dp=config["dp"], tp=config["tp"], pp=config["pp"],
+        zero_stage=config["zero_stage"], recompute=recompute, schedule="1f1b", microbatches=m)
+
+
+def predict(model: Model, cluster: Cluster, config: dict, global_batch: int,
+            recompute: str = "full", efficiency: float = EFFICIENCY, alpha: float = ALPHA,
+            memory_limit: float | None = None, dp_overlap: float = 0.0) -> dict:
+    """Step time (seconds, and its parts), peak memory per rank and whether it fits, throughput.
+
+    Raises ValueError listing every reason when the configuration cannot run (see `problems`).
+    memory_limit: bytes a rank may use (default: the GPU's memory). dp_overlap: the fraction of
+    the dp time hidden behind backward (0: none, the model's default; Megatron-LM's data-parallel
+    all-reduce overlaps backward)."""
+    found = problems(model, cluster, config, global_batch)
+    if found:
+        raise ValueError("; ".join(found))
+    dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["microbatches"]
+    flops = flops_per_step(model, global_batch, recompute)
+    compute = flops / (cluster.gpus * cluster.peak_flops * efficiency)
+    sent = axis_bytes(model, config, global_batch, recompute)
+    bw = bandwidths(cluster, config)
+    parts = {"compute": compute, "bubble": compute * (pp - 1) / m}
+    for axis in ("tp", "pp", "dp"):
+        parts[axis] = sent[axis] / bw[axis]
+    parts["dp"] *= 1.0 - dp_overlap
+    parts["latency"] = alpha * sum(sent["calls"].values())
+    step = sum(parts.values())
+    ledger_ = memory(model, config, global_batch, recompute)
+    limit = cluster.memory if memory_limit is None else memory_limit
+    return {"step_time": step, "breakdown": parts,
+            "bytes": {k: sent[k] for k in ("tp", "pp", "dp")},
+            "bandwidth": bw, "memory": ledger_["peak"], "ledger": ledger_,
+            "fits": ledger_["peak"] <= limit, "limit": limit,
+            "tokens_per_second": global_batch * model.seq / step,
+            "tflops_per_gpu": flops / step / cluster.gpus / 1e12}
+
+
+def show(cost: dict) -> str:
+    """One line per part of the step, and the memory."""
+    parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cost["breakdown"].items())
+    return (f"step {cost['step_time'] * 1e3:.0f} ms ({parts}); {cost['tflops_per_gpu']:.0f} "
+            f"TFLOP/s per GPU; peak {cost['memory'] / 1e9:.1f} GB per rank "
+            f"({'fits' if cost['fits'] else 'does NOT fit'} in {cost['limit'] / 1e9:.0f} GB)")
