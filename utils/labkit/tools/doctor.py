@@ -8,8 +8,9 @@ Each line: the verdict (ok, warn, FAIL, skip), what was checked, what was found 
 not ok, the fix. The first step of a GPU runner's course run (.github/workflows/gpu-course.yml).
 
 Exit code: 0 the course runs here and `labkit grade` can isolate submissions; 1 the course cannot
-run here (a FAIL marked "course"); 2 the course runs, but grading cannot (a FAIL marked "grade":
-no root, no unshare, no cgroups, an unreachable --db). warn and skip never change it.
+run here (a FAIL marked "course"); 2 the course runs, but grading cannot isolate (a FAIL marked
+"grade": no root, no unshare, useradd or nsenter, an unreachable --db). warn and skip never
+change it (no cgroup v1 controllers is a warn: limits then hold per process, not per submission).
 """
 from __future__ import annotations
 
@@ -215,11 +216,12 @@ def check_sandbox(euid: int | None = None, which=shutil.which, cgroups: dict | N
         cgroups = cgroup_dirs() if euid == 0 else {}
     missing = [c for c in ("memory", "pids") if c not in cgroups]
     if missing:
-        checks.append(Check("FAIL", "cgroups", f"no writable cgroup v1 {', '.join(missing)} "
-                            "controller: a submission's memory and processes are not capped "
-                            "as a whole", "run as root on a host (or a --privileged container) "
-                            "with /sys/fs/cgroup/memory and /sys/fs/cgroup/pids mounted "
-                            "read-write", "grade"))
+        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        checks.append(Check("warn", "cgroups", f"no writable cgroup v1 {', '.join(missing)} "
+                            "controller" + (" (a cgroup v2 host)" if v2 else "") + ": memory "
+                            "and processes are capped per process (rlimits), not per "
+                            "submission", "run as root on a host or --privileged container "
+                            "with cgroup v1 memory and pids hierarchies under /sys/fs/cgroup"))
     else:
         checks.append(Check("ok", "cgroups", "memory and pids controllers writable"))
     return checks
