@@ -7,7 +7,8 @@ tensor: the input of all_reduce and reduce_scatter, the output of all_gather.
     ring reduce-scatter   (P-1) * (alpha + n/P * beta)
     ring all-gather       (P-1) * (alpha + n/P * beta)
     ring all-reduce       2(P-1) * (alpha + n/P * beta)     = reduce-scatter + all-gather
-    recursive doubling    ceil(log2 P) * (alpha + n * beta)   (+ 2 steps when P is no power of 2)
+    recursive doubling    steps * (alpha + n * beta),  steps = log2 P for a power of two,
+                          floor(log2 P) + 2 otherwise (fold the extra ranks in, hand back)
 
 Bus bandwidth (nccl-tests, PERFORMANCE.md): algbw = n / t; busbw = algbw * factor, where the
 factor is 2(P-1)/P for all_reduce, (P-1)/P for all_gather, reduce_scatter and all_to_all, and 1 for
@@ -52,7 +53,7 @@ def ring_all_reduce_time(n_bytes, world_size, alpha, beta):
 
 
 def recursive_doubling_steps(world_size):
-    """log2 P exchanges for a power of two; two more (fold in, hand back) for any other P."""
+    """log2 P exchanges for a power of two; floor(log2 P) + 2 (fold in, hand back) otherwise."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     below = 1 << (world_size.bit_length() - 1)          # the largest power of two <= P
