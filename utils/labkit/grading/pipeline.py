@@ -142,6 +142,10 @@ def _config(course: str, source_root: str, out: str, db_url: str, lab: str,
     config.CourseDirectory.feedback_directory = os.path.join(out, "feedback")
     config.CourseDirectory.db_url = db_url
     config.CourseDirectory.course_id = config.CourseDirectory.get("course_id", "")
+    if not db_url.startswith("sqlite") and not config.CourseDirectory.course_id:
+        # nbgrader's default "" names no row of its `course` table: sqlite lets that pass,
+        # PostgreSQL's foreign key does not
+        config.CourseDirectory.course_id = "default_course"
     config.OverwriteCells.add_missing_cells = True
     config.Autograde.sanitize_preprocessors = [
         "nbgrader.preprocessors.ClearOutput",
