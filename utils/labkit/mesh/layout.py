@@ -51,7 +51,7 @@ def check_world_size(size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int =
     fix = (f"with tp x pp{' x ep' if ep != 1 else ''} = {model}, use dp = {size // model}"
            if size % model == 0 else
            f"tp x pp{' x ep' if ep != 1 else ''} = {model} does not divide {size}: "
-           f"change tp or pp")
+           f"change tp{', pp or ep' if ep != 1 else ' or pp'}")
     raise ValueError(f"world size ({size}) != {shown} = {product}: {fix}")
 
 

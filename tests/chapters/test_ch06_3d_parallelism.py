@@ -1,0 +1,335 @@
+"""Chapter 6 / lab 6: the mesh as plain data (labkit.mesh.layout), the cost model, ZeRO-1 and the
+3D step on real ranks, the lab's reference answers used as a library, and the lab's checkers
+rejecting the wrong answers the issue names: a mesh whose tp groups cross nodes, a step that
+forgets the data-parallel reduction, replicated parameters reduced twice, a configuration that
+does not fit in memory."""
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit import checks, mesh, pipeline
+from labkit.memory import ledger
+from labkit.mesh import checks as lab_checks
+from labkit.mesh import cost, figures, train_checks
+from labkit import tensor_parallel as tpk
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab06_3d_parallelism"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+FEW = settings(max_examples=40, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _source(grade_id):
+    import nbformat
+    return next(c.source for c in nbformat.read(str(SOLUTION), as_version=4).cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def _define(source, name):
+    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "mesh": mesh,
+                 "pipeline": pipeline, "math": math, "__name__": "__main__"}
+    exec(compile(source, f"{SOLUTION.name}:{name}", "exec"), namespace)
+    return namespace[name]
+
+
+def _reference(grade_id, name):
+    """A function from an answer cell of the lab's solution notebook (instructor side)."""
+    return _define(_source(grade_id), name)
+
+
+def _variant(grade_id, name, swaps):
+    """The reference with lines swapped: a named wrong answer built from the right one."""
+    source = _source(grade_id)
+    for old, new in swaps:
+        assert old in source, f"the solution changed: {old!r} is gone; update this test"
+        source = source.replace(old, new)
+    return _define(source, name)
+
+
+mesh_layout = _reference("task1_mesh_layout", "mesh_layout")
+train_3d = _reference("task2_train_3d", "train_3d")
+choose_config = _reference("task3_choose_config", "choose_config")
+dims_3 = st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+
+
+# ---- the mesh as plain data ---------------------------------------------------------------------
+
+def test_world_size_errors_print_every_factor_and_a_fix():
+    assert mesh.check_world_size(8, dp=2, tp=2, pp=2) == 8
+    with pytest.raises(ValueError, match=r"world size \(8\) != dp \(2\) x tp \(2\) x pp \(3\) = 12"):
+        mesh.check_world_size(8, dp=2, tp=2, pp=3)
+    with pytest.raises(ValueError, match=r"use dp = 3"):
+        mesh.check_world_size(12, dp=2, tp=2, pp=2)
+    with pytest.raises(ValueError, match=r"x ep \(6\) = 24: .*change tp, pp or ep"):
+        mesh.check_world_size(8, dp=2, tp=2, pp=1, ep=2 * 3)
+    with pytest.raises(ValueError, match="positive int"):
+        mesh.world_size(dp=0)
+
+
+@FEW
+@given(dims_3)
+def test_coordinates_groups_and_torch_layout_agree(dims):
+    dp, pp, tp = dims
+    grid = torch.arange(dp * pp * tp).reshape(dp, pp, tp)          # what init_device_mesh lays out
+    groups = mesh.axis_groups(dp, pp, tp)
+    for rank in range(dp * pp * tp):
+        c = mesh.coordinates(rank, dp, pp, tp)
+        assert grid[c["dp"], c["pp"], c["tp"]] == rank == mesh.rank_of(c, dp, pp, tp)
+    assert groups["tp"] == sorted(grid.reshape(-1, tp).tolist())
+    assert groups["pp"] == sorted(grid.permute(0, 2, 1).reshape(-1, pp).tolist())
+    assert groups["dp"] == sorted(grid.permute(1, 2, 0).reshape(-1, dp).tolist())
+    assert mesh_layout(dp * pp * tp, {"dp": dp, "pp": pp, "tp": tp}, ["dp", "pp", "tp"])["groups"] \
+        == groups
+
+
+@FEW
+@given(dims_3, st.sampled_from([1, 2, 4, 8]))
+def test_inside_node_is_what_the_groups_say(dims, gpus_per_node):
+    dp, pp, tp = dims
+    if (dp * pp * tp) % gpus_per_node:
+        return
+    groups = mesh.axis_groups(dp, pp, tp)
+    for axis in mesh.AXES:
+        crosses = any(mesh.crosses_nodes(g, gpus_per_node) for g in groups[axis])
+        assert mesh.inside_node(axis, dp, pp, tp, gpus_per_node) == (not crosses), (axis, dims)
+
+
+# ---- task 1: the reference and its checkers -------------------------------------------------------
+
+def test_reference_layout_passes_every_check():
+    case = checks.Case("ch06 test: layouts", seed=6)
+    for size, degrees, order in lab_checks.random_layouts(case, 40):
+        lab_checks.check_layout(mesh_layout, size, degrees, order)
+    for _ in range(3):
+        lab_checks.check_layout_errors(mesh_layout)
+    for order in (["dp", "pp", "tp"], ["tp", "pp", "dp"], ["pp", "tp", "dp"]):
+        for g in (2, 4, 8):
+            lab_checks.check_tp_inside_nodes(mesh_layout, 16, {"dp": 2, "pp": 2, "tp": 4}, order, g)
+
+
+def first_axis_fastest(world_size, degrees, order, gpus_per_node=None):
+    """Right groups for the order reversed: the first axis of `order` varies fastest."""
+    return mesh_layout(world_size, degrees, list(reversed(order)), gpus_per_node)
+
+
+def no_node_check(world_size, degrees, order, gpus_per_node=None):
+    return mesh_layout(world_size, degrees, order, None)
+
+
+def bare_error(world_size, degrees, order, gpus_per_node=None):
+    if world_size != math.prod(degrees.values()):
+        raise ValueError("bad world size")
+    return mesh_layout(world_size, degrees, order, gpus_per_node)
+
+
+def test_task1_checkers_reject_a_mesh_whose_tp_groups_cross_nodes():
+    with pytest.raises(AssertionError, match="first axis of the order varies fastest"):
+        lab_checks.check_layout(first_axis_fastest, 8, {"dp": 2, "pp": 2, "tp": 2},
+                                ["dp", "pp", "tp"])
+    with pytest.raises(AssertionError, match="tp groups cross nodes: no error"):
+        lab_checks.check_tp_inside_nodes(no_node_check, 8, {"dp": 2, "pp": 2, "tp": 2},
+                                         ["tp", "pp", "dp"], 4)
+    with pytest.raises(AssertionError, match="tp groups cross nodes: no error"):
+        lab_checks.check_tp_inside_nodes(no_node_check, 12, {"dp": 2, "pp": 2, "tp": 3},
+                                         ["dp", "pp", "tp"], 4)
+    with pytest.raises(AssertionError, match="should mention"):
+        lab_checks.check_layout_errors(bare_error)
+
+
+# ---- the cost model --------------------------------------------------------------------------------
+
+def test_cost_model_terms_are_the_earlier_chapters_formulas():
+    model = figures.megatron_rows()[6]["model"]
+    config = {"dp": 24, "tp": 8, "pp": 8, "zero_stage": 1, "microbatches": 96}
+    sent = cost.axis_bytes(model, config, 2304, recompute="none")
+    layer = tpk.tp_layer_bytes(1, model.seq, model.hidden, 8, itemsize=2)      # b = 1
+    assert sent["tp"] == pytest.approx(layer * (model.layers // 8) * 96)
+    assert sent["pp"] == 2 * 96 * model.seq * model.hidden * 2
+    psi = ledger.transformer_parameters(model.layers, model.hidden, model.vocab) / 64
+    assert sent["dp"] == pytest.approx(ledger.wire_bytes_per_rank(psi, 24, 1, 2))
+    for stage, units in ((2, 1 + 96), (3, 3 * 96)):
+        got = cost.axis_bytes(model, dict(config, zero_stage=stage), 2304)["dp"]
+        assert got == pytest.approx(units / 2 * sent["dp"])
+    # Narayanan et al. eq. 3 with recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)
+    flops = cost.flops_per_step(model, 2304)
+    assert flops == pytest.approx(96 * 2304 * 2048 * 80 * 12288 ** 2
+                                  * (1 + 2048 / (6 * 12288) + 51200 / (16 * 80 * 12288)))
+    cluster = figures.DGX_A100.with_nodes(192)
+    predicted = cost.predict(model, cluster, config, 2304)
+    assert predicted["memory"] == cost.memory(model, config, 2304)["peak"]
+    assert predicted["bandwidth"] == {"tp": 300e9, "pp": 25e9, "dp": 25e9}
+    assert predicted["step_time"] == pytest.approx(sum(predicted["breakdown"].values()))
+    with pytest.raises(ValueError, match=r"GPUs \(1536\) != dp \(24\) x tp \(8\) x pp \(4\).*"
+                                         r"tp \(8\) does not divide the heads"):
+        cost.predict(dataclasses.replace(model, heads=12), cluster, dict(config, pp=4), 2304)
+
+
+def test_reference_choice_is_the_brute_force_best_and_fits():
+    rows = figures.megatron_rows()
+    model, cluster = dataclasses.asdict(rows[1]["model"]), dataclasses.asdict(figures.DGX_A100.with_nodes(8))
+    for limit in (None, 12e9, 30e9):
+        lab_checks.check_choice(choose_config, model, cluster, 512, limit)
+    lab_checks.check_nothing_fits(choose_config, dataclasses.asdict(rows[3]["model"]),
+                                  dataclasses.asdict(figures.DGX_A100.with_nodes(1)), 512, 20e9)
+
+
+def fastest_ignoring_memory(model, cluster, global_batch, memory_limit=None):
+    return choose_config(model, cluster, global_batch, memory_limit=1e15)
+
+
+def plain_data_parallel_only(model, cluster, global_batch, memory_limit=None):
+    m, c = mesh.Model(**model), mesh.Cluster(**cluster)
+    for config in lab_checks.configurations(m, c, global_batch):
+        if config["zero_stage"] == 0 and cost.predict(m, c, config, global_batch,
+                                                      memory_limit=memory_limit)["fits"]:
+            return config
+    raise ValueError("nothing fits")
+
+
+def test_task3_checkers_reject_a_configuration_that_does_not_fit():
+    rows = figures.megatron_rows()
+    model, cluster = dataclasses.asdict(rows[1]["model"]), dataclasses.asdict(figures.DGX_A100.with_nodes(8))
+    with pytest.raises(AssertionError, match="does not fit"):
+        lab_checks.check_choice(fastest_ignoring_memory, model, cluster, 512, 12e9)
+    with pytest.raises(AssertionError, match="fits and takes"):
+        lab_checks.check_choice(plain_data_parallel_only, model, cluster, 512, 30e9)
+    with pytest.raises(AssertionError, match="no error; expected a ValueError"):
+        lab_checks.check_nothing_fits(fastest_ignoring_memory, dataclasses.asdict(rows[3]["model"]),
+                                      dataclasses.asdict(figures.DGX_A100.with_nodes(1)), 512, 20e9)
+
+
+# ---- on real ranks: ZeRO-1, the reference step, and the named wrong answers ------------------------
+
+@pytest.fixture(scope="module")
+def world4():
+    yield labkit.world(4, teaching=False, timeout=240)
+    labkit.shutdown_all()
+
+
+def _zero1_against_torch(kind, dtype_name):
+    """Zero1 over the world: three steps with each rank's own gradient (a frozen tensor, shapes no
+    dp divides), against the optimizer on the whole tensors with the mean gradient."""
+    dtype = getattr(torch, dtype_name)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 2)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+    frozen = torch.nn.Parameter(torch.ones(3, dtype=dtype), requires_grad=False)
+    zero1 = mesh.Zero1(params + [frozen], None, kind, lr=0.05)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    whole = mesh.model.make_optimizer(twins, kind, lr=0.05)
+    for step in range(3):
+        grads = [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(size)]
+        for p, mine in zip(params, grads[rank]):
+            p.grad = mine.clone()
+        zero1.step()
+        zero1.zero_grad()
+        for i, t in enumerate(twins):
+            t.grad = sum(grads[r][i] for r in range(size)) / size
+        whole.step()
+    return [p.detach() for p in params], [t.detach() for t in twins], zero1.state_elements(), \
+        zero1.numel, frozen.detach().clone()
+
+
+@pytest.mark.timeout(300)
+def test_zero1_equals_the_whole_optimizer_and_holds_one_dp_th_of_the_state(world4):
+    for kind, dtype in (("adamw", "float64"), ("sgd", "float32"), ("adamw", "float32")):
+        for ours, whole, state, numel, frozen in world4.run(_zero1_against_torch, kind, dtype):
+            tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == "float32" else {}
+            for a, b in zip(ours, whole):
+                torch.testing.assert_close(a, b, **tolerance)
+            assert torch.equal(frozen, torch.ones(3, dtype=frozen.dtype))
+            per_element = 3 if kind == "adamw" else 2               # master + m + v | + momentum
+            assert numel == 15 + 7 + 4 and state == per_element * math.ceil(numel / 4)
+
+
+@pytest.mark.timeout(400)
+def test_reference_step_as_a_library(world4):
+    """The lab's train_3d the way a training loop uses it: every mesh of 4 ranks, several steps,
+    ragged replicas, a tied embedding, both optimizers; and its bytes by relation."""
+    for dims, options in (((2, 2, 1), {"tied": True, "steps": 3}),
+                          ((1, 2, 2), {"optimizer": "sgd", "tied": True}),
+                          ((2, 1, 2), {"optimizer": "sgd"}),
+                          ((1, 4, 1), {"tied": True, "steps": 1}),
+                          ((4, 1, 1), {"optimizer": "sgd", "steps": 1}),
+                          ((1, 1, 4), {"steps": 1})):
+        lab_checks.check_train_3d(world4, train_3d, dims, **options)
+    _, measured = lab_checks.check_train_3d_traffic(world4, train_3d, (1, 2, 2), tied=True)
+    assert measured["tp"] > measured["pp"] > 0
+
+
+forgets_dp = _variant("task2_train_3d", "train_3d", [(
+    "zero1 = mesh.Zero1(stage.parameters(), dp_group, optimizer)",
+    "alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]\n"
+    "    zero1 = mesh.Zero1(stage.parameters(), alone, optimizer)   # a dp group of one")])
+
+layernorm_twice = _variant("task2_train_3d", "train_3d", [(
+    "        zero1.step(scale=1.0)",
+    "        for p in stage.parameters():\n"
+    "            if mesh.is_replicated(p) and p.grad is not None:\n"
+    "                dist.all_reduce(mesh.local(p.grad), group=device_mesh.get_group('tp'))\n"
+    "        zero1.step(scale=1.0)")])
+
+forgets_tied = _variant("task2_train_3d", "train_3d", [(
+    "            dist.all_reduce(copy.grad, group=tied_group)", "            pass")])
+
+mean_of_replica_means = _variant("task2_train_3d", "train_3d", [(
+    "                p.grad.mul_(n_local / counts.item())", "                p.grad.mul_(1 / dp)")])
+
+
+def whole_model_on_every_rank(batch, dims, seed, optimizer="adamw", tied=False):
+    """Right values, no 3D: every rank trains the whole model on its replica's data and all-reduces
+    the whole gradients over its dp group; then returns what its stage and tp shard would hold."""
+    from torch.distributed.device_mesh import init_device_mesh
+    dp, pp, tp = dims
+    device_mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "pp", "tp"))
+    model = mesh.make_model(seed, tied=tied)
+    opt = mesh.model.make_optimizer(model.parameters(), optimizer)
+    for s in range(batch["tokens"].shape[0]):
+        tokens, targets = batch["tokens"][s], batch["targets"][s]
+        counts = torch.tensor([float(pipeline.token_count(targets))], dtype=torch.float64)
+        dist.all_reduce(counts, group=device_mesh.get_group("dp"))
+        logits = model(tokens.reshape(-1, tokens.shape[-1]))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1), ignore_index=-100,
+                                                 reduction="sum") / counts.item()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=device_mesh.get_group("dp"))
+        opt.step()
+    c = mesh.coordinates(dist.get_rank(), dp, pp, tp)
+    whole = dict(model.named_parameters())
+    return {n: mesh.local_shard(n, whole[n].detach(), c["tp"], tp).clone()
+            for n in mesh.stage_names(c["pp"], pp, tied=tied)}
+
+
+@pytest.mark.timeout(400)
+def test_task2_checkers_reject_the_named_wrong_steps(world4):
+    with pytest.raises(AssertionError, match="dp replicas hold different weights"):
+        lab_checks.check_train_3d(world4, forgets_dp, (2, 1, 2), steps=1)
+    with pytest.raises(AssertionError, match=r"moved 2\.00 times as far"):
+        lab_checks.check_train_3d(world4, layernorm_twice, (2, 1, 2), optimizer="sgd", steps=1)
+    with pytest.raises(AssertionError, match="tied embedding is wrong"):
+        lab_checks.check_train_3d(world4, forgets_tied, (2, 2, 1), optimizer="sgd", tied=True,
+                                  steps=1)
+    with pytest.raises(AssertionError, match="weight each replica's gradient"):
+        lab_checks.check_train_3d(world4, mean_of_replica_means, (2, 2, 1), steps=1)
+    lab_checks.check_train_3d(world4, whole_model_on_every_rank, (2, 2, 1), steps=1)   # values right
+    with pytest.raises(AssertionError, match=r"same pp group sent \d+ bytes in all, at least"):
+        lab_checks.check_train_3d_traffic(world4, whole_model_on_every_rank, (2, 2, 1))
+
+
+def test_expected_bytes_count_what_each_relation_must_carry():
+    run = train_checks.train_case(checks.Case("bytes", seed=1), (2, 2, 1), steps=1, m=4, tied=True)
+    expected = train_checks.expected_bytes(run)
+    activation = run["shares"][0]["tokens"].shape[-2] * run["shares"][0]["tokens"].shape[-1] * 24 * 8
+    assert expected["pp"][0] == 2 * (2 * 4 * activation) + 2 * 2 * 24 * 24 * 8   # + the tied all-reduce
+    assert expected["tp"] == (0.0, 0.0) and expected["none"] == (0.0, 0.0)
