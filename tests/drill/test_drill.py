@@ -308,6 +308,7 @@ def test_every_drill_and_card_renders_in_the_terminal_and_the_widget(drill_file)
     out = io.StringIO()
     screen = terminal.Screen(out)
     ui = drill.widget(seed=1, n=1, path=drill_file)
+    assert ui.topic.label == "every topic"              # not a blank drop-down
     for question in every_question():
         out.seek(0)
         out.truncate()

@@ -45,9 +45,10 @@ class DrillWidget:
         except DrillError as exc:
             problem = Feedback("invalid", f"{exc} Drilling every topic instead.")
             self.session = Session(topic=None, seed=seed, n=n, path=path, kinds=kinds)
-        self.topic = w.Dropdown(options=[("every topic", None)]
+        # "all", not None, for every topic: a drop-down whose value is None shows nothing selected
+        self.topic = w.Dropdown(options=[("every topic", "all")]
                                 + [(topic_label(t), t) for t in TOPICS],
-                                value=self.session.topic, description="Topic")
+                                value=self.session.topic or "all", description="Topic")
         self.header = w.HTML()
         self.question = w.HTML()
         self.entry = w.Text(placeholder="your answer, e.g. 1.5 GB", layout=w.Layout(width="60%"))
@@ -106,7 +107,7 @@ class DrillWidget:
         feedback = self.session.set_topic(name)
         if feedback.status != "invalid":
             self._syncing = True
-            self.topic.value = self.session.topic
+            self.topic.value = self.session.topic or "all"
             self._syncing = False
             if self.session.current is None:
                 self.next()
@@ -114,7 +115,7 @@ class DrillWidget:
 
     def _topic_changed(self, change) -> None:
         if not self._syncing:
-            self.set_topic(change["new"] or "all")
+            self.set_topic(change["new"])
 
     def next(self):
         """Show the next question (or the summary when the session is over)."""
@@ -163,6 +164,6 @@ class DrillWidget:
 
     def _header(self) -> None:
         s = self.session
-        self.header.value = (f"<small>{s.right} of {s.asked} right this session; question "
-                             f"{min(s.asked + 1, s.n)} of {s.n}; seed {s.seed}; boxes in "
+        self.header.value = (f"<small>{s.right} of {s.asked} right, {s.asked} of {s.n} answered "
+                             f"this session; seed {s.seed}; boxes in "
                              f"<code>{html.escape(str(s.store.path))}</code></small>")
