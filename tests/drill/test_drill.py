@@ -162,7 +162,16 @@ def independent(drill_id, p):
         times = sorted(p["times_ms"])
         median = (times[3] + times[4]) / 2
         deviations = sorted(abs(t - median) for t in p["times_ms"])
-        return (p["times_ms"][p["slow"]] - median) / (1.4826 * (deviations[3] + deviations[4]) / 2)
+        return 0.6745 * (p["times_ms"][p["slow"]] - median) / ((deviations[3] + deviations[4]) / 2)
+    if drill_id == "spike-threshold":
+        recent = p["history"][-p["window"]:]
+        return p["factor"] * sum(recent) / len(recent)
+    if drill_id == "moe-imbalance":
+        load = p["load"]
+        mean = sum(load) / len(load)
+        if p["ask"] == "max_over_mean":
+            return max(load) / mean
+        return math.sqrt(sum((x - mean) ** 2 for x in load) / len(load)) / mean
     raise KeyError(f"no second derivation for drill {drill_id!r}: add one to this test")
 
 
@@ -278,7 +287,11 @@ def test_seed_004_questions_are_all_cards_linked_to_chapters():
         and kinds.count("open") == 3
     for card in cards.CARDS.values():
         text = card.answer_text()
-        assert "{" not in text and "[?]" not in text, (card.id, text)
+        try:
+            card.figures and card.figures()
+            assert "{" not in text and "[?]" not in text, (card.id, text)
+        except drill.MissingFormula as missing:      # a chapter still being written: named
+            assert f"([?]: waits for {missing.name})" in text
         assert card.links and all(ch in base.CHAPTERS for ch, _ in card.links)
         assert card.topic in session_module.TOPICS
         assert all(k == k.lower() for _, keys in card.key_points for k in keys)

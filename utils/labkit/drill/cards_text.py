@@ -27,7 +27,7 @@ TEXTS = [
                      ("4 K N H bytes forward in BF16", ("4knh", "4 k n h", "4 x k", "4k")),
                      ("backward doubles it: 8 K N H", ("backward", "8knh", "8 k n h")))),
     dict(id="whiteboard-2", kind="whiteboard", number=2, topic="faults",
-         links=((0, "section 4"), (9, "hangs")),
+         links=((0, "section 4"), (9, "section 2")),
          prompt="A training job on a thousand GPUs has stopped making progress inside a "
                 "collective: no error, no exit. Walk through how you find the cause.",
          answer="1. Keep the evidence before restarting: dump every rank's Python stack "
@@ -62,7 +62,7 @@ TEXTS = [
                      ("timeouts turn a hang into an error and a restart from checkpoint",
                       ("timeout", "checkpoint", "restart")))),
     dict(id="whiteboard-3", kind="whiteboard", number=3, topic="faults",
-         links=((2, "section 6"), (8, "sections 4 and 7"), (9, "loss spikes")),
+         links=((2, "section 6"), (8, "sections 4 and 7"), (9, "section 5")),
          prompt="The loss jumps by an order of magnitude in one step, mid-training. What can "
                 "cause it, and how would you build a guard that detects it and rolls back "
                 "automatically?",
@@ -189,7 +189,7 @@ TEXTS = [
                      ("load spreads over more experts", ("balanc", "spread")),
                      ("cost: more, smaller messages", ("messages", "small")))),
     dict(id="self-check-6", kind="self-check", number=6, topic="faults",
-         links=((0, "section 4"), (9, "hangs and stragglers")),
+         links=((0, "section 4"), (9, "sections 2 and 3")),
          prompt="When a large job hangs, how do stack dumps tell a true deadlock from a "
                 "straggler that holds everyone up?",
          answer="Dump every rank's stack, twice, some seconds apart. Nearly every rank waits "
@@ -314,7 +314,7 @@ TEXTS = [
                                                           "two streams", "overlap")),
                      ("node-limited routing, FP8 dispatch", ("node", "fp8")))),
     dict(id="open-2", kind="open", number=2, topic="faults",
-         links=((1, "section 3"), (9, "stragglers and hangs")),
+         links=((1, "section 3"), (9, "sections 2 and 3")),
          prompt="One slightly bent fibre corrupts 1 packet in 10,000. How can that stall "
                 "thousands of GPUs, and how do modern fabrics defend against it?",
          answer="Count first (chapter 1's ring, 4 KB packets): a 1 GB all-reduce over 1024 ranks "

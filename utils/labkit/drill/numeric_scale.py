@@ -157,6 +157,37 @@ def _capacity(p, formula):
                          "its residual)."]}
 
 
+def _draw_imbalance(rng):
+    load = [round(1000 * rng.uniform(0.5, 1.1)) for _ in range(8)]
+    load[rng.randrange(8)] = round(1000 * rng.choice([1.5, 2.5, 3.2, 5.0]))
+    return {"load": load, "ask": rng.choice(["max_over_mean", "max_over_mean", "cv"])}
+
+
+@register("moe-imbalance", "moe", "A hot expert: how much longer the layer takes", 7,
+          "sections 3 and 6", ["labkit.moe.imbalance"],
+          source="seed 004, second lab (expert imbalance)")
+@draws(_draw_imbalance)
+def _imbalance(p, formula):
+    load, ask = p["load"], p["ask"]
+    metrics = formula("labkit.moe.imbalance")(load)
+    mean = sum(load) / len(load)
+    if ask == "max_over_mean":
+        return {"question": f"Tokens routed to each of 8 experts, one per rank: {load}. Combine "
+                            "waits for the busiest expert: how many times longer than a balanced "
+                            "layer does the expert phase take (max over mean)?",
+                "answer": metrics["max_over_mean"], "unit": "",
+                "solution": [f"mean = {sum(load)} / 8 = {sig(mean)}; max = {max(load)}.",
+                             f"max / mean = {sig(metrics['max_over_mean'])}: every rank waits "
+                             "in combine until the busiest expert is done."]}
+    return {"question": f"Tokens routed to each of 8 experts: {load}. What is the coefficient of "
+                        "variation of the load (population standard deviation over mean)?",
+            "answer": metrics["cv"], "unit": "",
+            "solution": [f"mean = {sig(mean)}; population std = sqrt(mean of squared "
+                         f"deviations) = {sig(metrics['cv'] * mean)}.",
+                         f"cv = {sig(metrics['cv'] * mean)} / {sig(mean)} = {sig(metrics['cv'])} "
+                         "(0 when even; sqrt(E - 1) when one expert takes all)."]}
+
+
 # ---- chapter 8: how often to checkpoint -------------------------------------------------------
 
 def _draw_young(rng):
@@ -212,28 +243,64 @@ def _daly(p, formula):
                          f"{p['C_min']} = {sig(tau / 60)} min (Young alone: {sig(young / 60)})."]}
 
 
-# ---- chapter 9: failures (labkit.faults is being written: these wait for its functions) -------
+# ---- chapter 9: failures -----------------------------------------------------------------------
 
 def _draw_straggler(rng):
     times = [round(2200 + rng.uniform(-30, 30)) for _ in range(8)]
     slow = rng.randrange(8)
-    times[slow] = round(2200 * rng.choice([1.1, 1.2, 1.4]))
+    times[slow] = round(2200 * rng.choice([1.03, 1.1, 1.2, 1.4]))
     return {"times_ms": times, "slow": slow}
 
 
-@register("straggler-z", "faults", "A straggler's robust z-score", 9, "stragglers",
-          ["labkit.faults.robust_z_scores"], source="seed 004, second lab")
+@register("straggler-z", "faults", "A straggler's robust z-score", 9, "section 3",
+          ["labkit.faults.detect.robust_z", "labkit.faults.detect.Z_THRESHOLD"],
+          source="seed 004, second lab (a diagnoser of slow ranks)")
 @draws(_draw_straggler)
 def _straggler(p, formula):
     times, slow = p["times_ms"], p["slow"]
-    z = formula("labkit.faults.robust_z_scores")(times)
+    z = formula("labkit.faults.detect.robust_z")(times)[slow]
+    threshold = formula("labkit.faults.detect.Z_THRESHOLD")
     ordered = sorted(times)
     median = (ordered[3] + ordered[4]) / 2
-    mad = sorted(abs(t - median) for t in times)
-    return {"question": f"Step times of 8 ranks, in ms: {times}. What is the robust z-score "
-                        f"(median and MAD, MAD scaled by 1.4826) of rank {slow}?",
-            "answer": float(z[slow]), "unit": "", "rel_tol": 0.05,
-            "solution": [f"median = {sig(median)} ms; MAD = median |t - median| = "
-                         f"{sig((mad[3] + mad[4]) / 2)} ms.",
-                         f"z = (t - median) / (1.4826 MAD) = {sig(float(z[slow]))}.",
-                         "Median and MAD ignore the outlier itself, unlike mean and std."]}
+    deviations = sorted(abs(t - median) for t in times)
+    mad = (deviations[3] + deviations[4]) / 2
+    return {"question": f"Step times of 8 ranks, in ms: {times}. What is the modified z-score "
+                        f"of rank {slow} (Iglewicz and Hoaglin: 0.6745 (x - median) / MAD)?",
+            "answer": z, "unit": "", "rel_tol": 0.03,
+            "solution": [f"median = {median:g} ms (the mean of the middle two of 8).",
+                         f"MAD = median |t - median| = {mad:g} ms.",
+                         f"z = 0.6745 x ({times[slow]} - {median:g}) / {mad:g} = {sig(z)}.",
+                         f"{'Above' if z > threshold else 'Not above'} the usual threshold "
+                         f"{threshold}: {'a straggler' if z > threshold else 'within the noise'}. "
+                         "Median and MAD ignore the outlier itself, unlike a mean and a standard "
+                         "deviation, which it inflates."]}
+
+
+def _draw_spike(rng):
+    window = rng.choice([5, 8, 10])
+    base = rng.choice([0.8, 1.2, 2.0, 3.5])
+    history = [round(base * rng.uniform(0.7, 1.3), 2) for _ in range(window + 3)]
+    return {"history": history, "window": window, "factor": rng.choice([3, 5, 10])}
+
+
+@register("spike-threshold", "faults", "When a spike guard fires", 9, "section 5",
+          ["labkit.faults.detect.window_spike"], source="seed 004, section 3.2 (the 5x rule)")
+@draws(_draw_spike)
+def _spike(p, formula):
+    history, window, factor = p["history"], p["window"], p["factor"]
+    spikes = formula("labkit.faults.detect.window_spike")
+    low, high = 0.0, 1e6             # the norm at which the chapter's rule starts to fire
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (low, mid) if spikes(history, mid, factor=factor, window=window,
+                                         min_history=1) else (mid, high)
+    recent = history[-window:]
+    return {"question": f"A spike guard keeps the gradient norms of accepted steps: {history} "
+                        f"(oldest first). It fires when a norm exceeds {factor} x the mean of "
+                        f"the last {window}. Above what norm does the next step fire it?",
+            "answer": high, "unit": "",
+            "solution": [f"The last {window}: {recent}; their mean is "
+                         f"{sig(sum(recent) / window)}.",
+                         f"{factor} x {sig(sum(recent) / window)} = {sig(high)}.",
+                         "A fired step is skipped (or rolled back) and not added to the window, "
+                         "so one spike does not raise the bar for the next."]}
