@@ -210,6 +210,7 @@ def fingerprint(trainer: Trainer) -> dict:
     return {"weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
             "optimizer": moments,
             "lr": trainer.scheduler.get_last_lr()[0],
+            "group_lr": optimizer.param_groups[0]["lr"],      # what the next step will use
             "scaler": {k: v for k, v in trainer.scaler.state_dict().items()},
             "torch_rng": torch.get_rng_state(),
             "python_rng": hashlib.sha256(repr(random.getstate()).encode()).hexdigest(),

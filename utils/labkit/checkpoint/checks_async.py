@@ -1,0 +1,399 @@
+"""Lab 8, tasks 3 and 4's checkers: an asynchronous checkpointer, and its interval.
+
+Task 3:  AsyncCheckpointer(write) with save(step, state) and wait(); `write(step, tensors)` is the
+storage, called from the checkpointer's background thread. The checker's storage can hold a write
+(a gate), fail one, and records every call; the state's tensors are `Watched`: a read from another
+thread than the one that called save() is recorded, and, once save() has returned, held until
+the checker has run the next training step. So "copies after the next step mutated the tensors"
+is caught every time, not by luck, and no verdict depends on a timing.
+
+Task 4:  simulate_async(work, tau, stall, write, restart, failures) -> wall time, and
+async_interval(stall, write, mtbf) -> tau*. Checked against the checker's closed form for
+runs with at most one failure, against Daly's formula (write = 0) over random failure traces,
+and against the first-order waste (course, section 7).
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from labkit import checks as base
+from labkit.checkpoint import interval
+from labkit.checkpoint.checks import call
+
+WATCH_DTYPES = ("float32", "bfloat16", "int64")
+
+
+class Watched(torch.Tensor):
+    """A tensor whose reads from other threads are seen (and, after save() returned, held)."""
+    lock = threading.Lock()
+    owner = None                 # the thread that trains (and calls save)
+    returned = False             # save() has returned
+    released = threading.Event() # the next step has run: held reads may go on
+    in_flight = 0
+    late_reads = 0               # reads by another thread that began after save() returned
+    reads_at_return = 0          # reads by another thread still running when save() returned
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        other = threading.get_ident() != cls.owner
+        if other:
+            with cls.lock:
+                late = cls.returned
+                cls.late_reads += late
+                cls.in_flight += 1
+            if late:
+                cls.released.wait(30)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        finally:
+            if other:
+                with cls.lock:
+                    cls.in_flight -= 1
+        return _unwatch(out)
+
+    @classmethod
+    def reset(cls, owner):
+        cls.owner, cls.returned, cls.in_flight, cls.late_reads, cls.reads_at_return = \
+            owner, False, 0, 0, 0
+        cls.released = threading.Event()
+
+    @classmethod
+    def save_returned(cls):
+        with cls.lock:
+            cls.returned = True
+            cls.reads_at_return += cls.in_flight
+
+
+def _unwatch(out):
+    if isinstance(out, Watched):
+        return out.as_subclass(torch.Tensor)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_unwatch(o) for o in out)
+    return out
+
+
+class _Storage:
+    """The `write` handed to the checkpointer: records calls, holds steps, fails steps."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = self.most_active = 0
+        self.calls, self.order, self.gates, self.fail, self.entered = [], [], {}, set(), {}
+
+    def entered_event(self, step):
+        return self.entered.setdefault(step, threading.Event())
+
+    def write(self, step, tensors):
+        with self.lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            self.order.append(["start", step])
+        self.entered_event(step).set()
+        if step in self.gates:
+            self.gates[step].wait(30)
+        try:
+            record = {"step": step, "thread": threading.get_ident(),
+                      "values": {k: v.clone() for k, v in tensors.items()},
+                      "ptrs": {k: v.data_ptr() for k, v in tensors.items()}}
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.order.append(["end", step])
+        self.calls.append(record)
+        if step in self.fail:
+            raise OSError(f"disk full while writing step {step} (a failure the test made)")
+
+
+def _next_step(state):
+    for tensor in state.values():
+        with torch._C.DisableTorchFunctionSubclass():
+            tensor.add_(1)                              # the optimizer's in-place update
+
+
+def _async_program(share, Checkpointer):
+    """Scenarios 1-3 of task 3 on this rank; plain observations back."""
+    owner = threading.get_ident()
+    Watched.reset(owner)
+    state = {k: v.clone().as_subclass(Watched) for k, v in share.items()}
+    sources = {k: v.data_ptr() for k, v in state.items()}
+    storage = _Storage()
+    out = {"sources": sources}
+    ck = Checkpointer(storage.write)
+    # 1. save returns while its write is held; the copy is of step 1's values
+    storage.gates[1] = threading.Event()
+    watchdog = threading.Timer(10, storage.gates[1].set)      # only a save that waits needs it
+    watchdog.start()
+    ck.save(1, state)
+    Watched.save_returned()
+    out["returned_while_held"] = not storage.gates[1].is_set()
+    watchdog.cancel()
+    out["reads_at_return"] = Watched.reads_at_return
+    _next_step(state)
+    Watched.released.set()
+    storage.gates[1].set()
+    ck.wait()
+    out["late_reads_1"] = Watched.late_reads
+    # 2. a save while a write is in flight waits for it
+    Watched.reset(owner)
+    storage.gates[2] = threading.Event()
+    watchdog = threading.Timer(10, storage.gates[2].set)
+    watchdog.start()
+    ck.save(2, state)
+    Watched.save_returned()
+    _next_step(state)
+    Watched.released.set()
+    second = {"done": threading.Event()}
+
+    def save_three():
+        Watched.reset(threading.get_ident())
+        ck.save(3, state)
+        Watched.save_returned()
+        Watched.released.set()
+        second["done"].set()
+    thread = threading.Thread(target=save_three, daemon=True)
+    thread.start()
+    out["save3_returned_while_2_held"] = second["done"].wait(1.0) and \
+        not storage.gates[2].is_set()
+    if out["save3_returned_while_2_held"]:
+        storage.entered_event(3).wait(5)          # let a save that did not wait start its write
+    storage.gates[2].set()
+    watchdog.cancel()
+    thread.join(30)
+    Watched.reset(owner)
+    ck.wait()
+    # 3. a failed write surfaces at the next wait() or save(); the checkpointer goes on
+    _next_step(state)
+    storage.fail.add(4)
+    raised = None
+    ck.save(4, state)
+    for where, call in (("wait", ck.wait), ("save", lambda: ck.save(5, state))):
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 (an observation)
+            raised = [where, type(error).__name__]
+            break
+    out["failure_raised"] = raised
+    _next_step(state)
+    try:
+        ck.save(6, state)
+        ck.wait()
+        out["after_failure"] = "ok"
+    except BaseException as error:  # noqa: BLE001
+        out["after_failure"] = f"{type(error).__name__}: {error}"
+    out["most_active"] = storage.most_active
+    out["order"] = storage.order
+    out["calls"] = [{"step": c["step"], "values": c["values"], "ptrs": c["ptrs"],
+                     "from_owner": c["thread"] == owner} for c in storage.calls]
+    return out
+
+
+ASPECTS = ("copy", "flight")
+
+
+def check_async_checkpointer(world, Checkpointer, aspects=ASPECTS, timeout=120, case=None):
+    """Task 3: the contract of AsyncCheckpointer, on every rank (see the module's docstring).
+    aspects: "copy" (save returns while its write runs; the snapshot holds the values the
+    tensors had at save(), copied in save(), handed to a background write) and/or "flight" (one
+    write in flight; a failed write surfaces at the next wait() or save(), which then go on; the
+    host buffers are allocated once). Returns the observations."""
+    unknown = set(aspects) - set(ASPECTS)
+    if unknown:
+        raise ValueError(f"aspects must be among {ASPECTS}, got {sorted(unknown)}")
+    case = case or base.Case("lab 8, task 3: asynchronous checkpointer")
+    state = {f"t_{dtype}": case.exact_values((case.integer(1, 300),), dtype)
+             for dtype in WATCH_DTYPES}
+    state["matrix"] = case.exact_values((7, 5), "float32")
+    results = call(world, _async_program, (state, Checkpointer), timeout=timeout)
+    base.one_result_per_rank(results, world.size, case)
+    values, current = {}, {k: v.clone() for k, v in state.items()}
+    for step in (1, 2, 3, 4, 6):                  # one training step between two saves
+        values[step] = {k: v.clone() for k, v in current.items()}
+        for tensor in current.values():
+            tensor.add_(1)
+    for rank, out in enumerate(results):
+        where = f"rank {rank}"
+        calls = {c["step"]: c for c in out["calls"]}
+        for step in (1, 2, 3, 6):
+            if step not in calls:
+                raise AssertionError(f"{where}: write was never called for step {step} "
+                                     f"(calls: {sorted(calls)}) [{case}]")
+        if "copy" in aspects:
+            _judge_copy(out, calls, values, where, case)
+        if "flight" in aspects:
+            _judge_flight(out, calls, where, case)
+
+
+def _judge_copy(out, calls, values, where, case):
+    if not out["returned_while_held"]:
+        raise AssertionError(f"{where}: save() did not return while its write was still "
+                             f"running [{case}]: copy, start the write in a background "
+                             "thread, and return; the training step must not wait")
+    if out["reads_at_return"] or out["late_reads_1"]:
+        raise AssertionError(f"{where}: the live tensors were read by another thread after "
+                             f"save() returned [{case}]: take the copy in save() itself, "
+                             "before it returns; the next training step changes the tensors")
+    for step in (1, 2, 3, 6):
+        base.check(calls[step]["values"], values[step], f"{where}: the snapshot of step {step}",
+                   case=case, hint="a snapshot holds the values the tensors had when save() "
+                   "was called (copy them, with their dtypes and shapes)")
+        if set(calls[step]["ptrs"].values()) & set(out["sources"].values()):
+            raise AssertionError(f"{where}: write received the live tensors at step {step} "
+                                 f"[{case}]: hand it the copies")
+        if calls[step]["from_owner"]:
+            raise AssertionError(f"{where}: write ran in the thread that called save() "
+                                 f"[{case}]: run it in a background thread")
+
+
+def _judge_flight(out, calls, where, case):
+    if out["save3_returned_while_2_held"] or out["most_active"] > 1:
+        raise AssertionError(f"{where}: save() started a new write while the previous one "
+                             f"was still running (writes in flight at once: "
+                             f"{out['most_active']}) [{case}]: wait for the previous write "
+                             "first (one write in flight, one set of host buffers)")
+    if out["failure_raised"] is None:
+        raise AssertionError(f"{where}: a write that raised went unnoticed [{case}]: the "
+                             "next wait() or save() must raise (keep the error)")
+    if out["after_failure"] != "ok":
+        raise AssertionError(f"{where}: after a failed write was reported, the next save "
+                             f"failed: {out['after_failure']} [{case}]")
+    pointers = [tuple(sorted(calls[s]["ptrs"].items())) for s in (1, 2, 3, 6)]
+    if len(set(pointers)) != 1:
+        raise AssertionError(f"{where}: the host buffers changed between saves [{case}]: "
+                             "allocate them once (at the first save) and copy into them")
+
+
+# ---- task 4 ------------------------------------------------------------------------------------
+
+def _run_without_failure(t0, w0, work, tau, stall, write):
+    """From wall time t0 at work position w0, no failure: (end time, [(durable time, work)])."""
+    t, w, durable, last = t0, w0, [], None
+    while True:
+        segment = min(tau, work - w)
+        t += segment
+        w += segment
+        if w >= work - 1e-12:
+            return t, durable
+        if last is not None and last > t:
+            t = last                                     # one write in flight: wait for it
+        t += stall
+        last = t + write
+        durable.append((last, w))
+
+
+def one_failure_wall_time(work, tau, stall, write, restart, failure=None, during_restart=()):
+    """The wall time of a run with at most one failure, from the model's definition; the
+    failure may strike again during its restart, `during_restart` seconds into each one."""
+    end, durable = _run_without_failure(0.0, 0.0, work, tau, stall, write)
+    if failure is None or failure >= end:
+        return end
+    kept = max([w for when, w in durable if when <= failure], default=0.0)
+    t = failure
+    for delay in during_restart:
+        if not 0 <= delay < restart:
+            raise ValueError(f"a failure during a restart of {restart} s comes 0 to {restart} s "
+                             f"into it, got {delay}")
+        t += delay                                        # failed again: the restart starts over
+    return _run_without_failure(t + restart, kept, work, tau, stall, write)[0]
+
+
+def _simulate_many(rows, simulate):
+    """On a rank: simulate(*row) for every row; a result or the error's text per row."""
+    out = []
+    for row in rows:
+        try:
+            out.append(float(simulate(*row)))
+        except BaseException as error:  # noqa: BLE001 (an observation)
+            out.append(f"{type(error).__name__}: {error}"[:300])
+    return out
+
+
+def check_simulate_examples(world, simulate, examples, timeout=120):
+    """simulate(*arguments) == expected for each (arguments, expected) of `examples`."""
+    got = call(world, _simulate_many, ([list(a) for a, _ in examples], simulate), ranks=[0],
+               timeout=timeout)[0]
+    for (arguments, expected), value in zip(examples, got):
+        if not isinstance(value, float) or not math.isclose(value, expected, rel_tol=1e-9):
+            raise AssertionError(f"simulate_async{tuple(arguments)} = {value!r}, expected "
+                                 f"{expected}")
+
+
+def check_simulate_async(world, simulate, cases=12, timeout=120, case=None):
+    """Task 4: simulate_async against runs with no failure and with one failure (anywhere:
+    computing, copying, waiting for a write, with a write in flight, restarting)."""
+    case = case or base.Case("lab 8, task 4: simulate_async")
+    rows, expected = [], []
+    for _ in range(cases):
+        tau = float(case.integer(20, 100))
+        work = tau * case.integer(2, 8) + float(case.integer(0, 19))
+        stall = float(case.integer(1, 10))
+        write = float(case.integer(0, int(1.5 * tau)))
+        restart = float(case.integer(0, 30))
+        end = one_failure_wall_time(work, tau, stall, write, restart)
+        for failure in [None] + [float(case.integer(0, int(end))) + 0.5 for _ in range(4)]:
+            rows.append([work, tau, stall, write, restart, [] if failure is None else [failure]])
+            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure))
+        if restart >= 2:                                  # and again while restarting, twice
+            failure = float(case.integer(0, int(end))) + 0.5
+            delays = [float(case.integer(0, int(restart) - 1)) + 0.25 for _ in range(2)]
+            times = [failure, failure + delays[0], failure + delays[0] + delays[1]]
+            rows.append([work, tau, stall, write, restart, times[::-1]])    # not sorted
+            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure,
+                                                  delays))
+    got = call(world, _simulate_many, (rows, simulate), ranks=[0], timeout=timeout)[0]
+    for row, value, want in zip(rows, got, expected):
+        if not isinstance(value, float) or not math.isclose(value, want, rel_tol=1e-9,
+                                                            abs_tol=1e-6):
+            work, tau, stall, write, restart, failures = row
+            raise AssertionError(
+                f"simulate_async(work={work}, tau={tau}, stall={stall}, write={write}, "
+                f"restart={restart}, failures={failures}) = {value!r}, expected {want} "
+                f"[{case}]; a failure loses what was done since the newest snapshot whose "
+                "write had finished (a write in flight is lost), then the restart takes "
+                "`restart` and the next checkpoint is due tau of compute later")
+
+
+def check_simulate_matches_daly(world, simulate, traces=300, timeout=120, case=None):
+    """With write = 0 the model is Daly's: the mean wall time over exponential failure traces
+    matches his expected wall time within 4 standard errors (his model also checkpoints after
+    the last segment: that segment's share is taken off)."""
+    import numpy as np
+    case = case or base.Case("lab 8, task 4: simulate_async against Daly")
+    rng = np.random.default_rng(case.seed % (2 ** 32))
+    work, tau, stall, restart, mtbf = 2000.0, 100.0, 5.0, 10.0, 400.0
+    rows = [[work, tau, stall, 0.0, restart, np.cumsum(rng.exponential(mtbf, 200)).tolist()]
+            for _ in range(traces)]
+    walls = call(world, _simulate_many, (rows, simulate), ranks=[0], timeout=timeout)[0]
+    bad = [w for w in walls if not isinstance(w, float)]
+    if bad:
+        raise AssertionError(f"simulate_async raised on a random failure trace: {bad[0]} [{case}]")
+    mean, error = float(np.mean(walls)), float(np.std(walls) / math.sqrt(traces))
+    segment = lambda length: mtbf * math.exp(restart / mtbf) * math.expm1(length / mtbf)
+    expected = interval.daly_wall_time(tau, stall, mtbf, restart, work) \
+        - segment(tau + stall) + segment(tau)
+    if abs(mean - expected) > 4 * error:
+        raise AssertionError(f"simulate_async with write = 0 over {traces} exponential failure "
+                             f"traces (M = {mtbf}): mean wall time {mean:.1f} +- {error:.1f}, "
+                             f"Daly's formula gives {expected:.1f} [{case}]; check failures "
+                             "during checkpoints, during restarts, and several in one run")
+    return mean, expected
+
+
+def check_async_interval(async_interval, case=None):
+    """Task 4: tau* of an asynchronous checkpoint is sqrt(2 * stall * M): the write does not
+    enter (it adds a constant write / M to the waste, whatever tau)."""
+    case = case or base.Case("lab 8, task 4: async_interval")
+    for _ in range(6):
+        stall = float(case.integer(1, 60))
+        write = float(case.integer(0, 600))
+        mtbf = float(case.integer(600, 50_000))
+        got = async_interval(stall, write, mtbf)
+        expected = math.sqrt(2 * stall * mtbf)
+        if not isinstance(got, (int, float)) or not math.isclose(got, expected, rel_tol=1e-6):
+            raise AssertionError(f"async_interval(stall={stall}, write={write}, mtbf={mtbf}) = "
+                                 f"{got!r}, expected {expected:.4f} [{case}]; write the waste "
+                                 "as a function of tau first: which terms depend on tau?")
