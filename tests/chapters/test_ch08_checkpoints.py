@@ -1,0 +1,427 @@
+"""Chapter 8: labkit.checkpoint as a library (layout, store, crash trials, bench, resume, ZeRO-1
+layout, interval), and lab 8's checkers on real ranks: the reference answers pass, and every wrong
+answer the issue names fails in the check of the task it belongs to."""
+import math
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit
+from labkit.checkpoint import (CheckpointError, bench, checks, checks_async, checks_resume, crash,
+                               interval, layout, resume, store, zero)
+from labkit.checkpoint._guard import switched_off
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab08_checkpoints"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+
+
+def _namespace():
+    """The lab's setup cell without its world: the names an answer cell sees."""
+    import nbformat
+    cells = nbformat.read(str(SOLUTION), as_version=4).cells
+    setup = next(c for c in cells if c.metadata.get("nbgrader", {}).get("grade_id") == "setup")
+    namespace = {"__name__": "__main__"}      # functions pickle by value, as from a notebook
+    exec(setup.source.split("\nworld = ")[0], namespace)
+    return namespace, cells
+
+
+def reference():
+    """Every answer cell of the solution, run in one namespace."""
+    namespace, cells = _namespace()
+    for cell in cells:
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(compile(cell.source, f"{SOLUTION.name}:{cell.metadata.nbgrader.grade_id}",
+                         "exec"), namespace)
+    return namespace
+
+
+def variant(source: str, base: dict) -> dict:
+    """`base` with the definitions in `source` replaced (a wrong answer)."""
+    namespace = dict(base)
+    exec(compile(source, "<wrong answer>", "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    labkit.shutdown_all()
+
+
+# ---- layout and store, one process ----------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../x", "/abs", "x\\y", ".hidden",
+                                 "a..b", "x" * 101, 7, None])
+def test_check_name_refuses_what_could_leave_the_folder(bad):
+    with pytest.raises(CheckpointError):
+        layout.check_name(bad)
+
+
+@given(st.integers(0, 10 ** 9 - 1), st.integers(0, 10 ** 9 - 1))
+def test_snapshot_ids_sort_by_step(a, b):
+    assert (layout.snapshot_id(a) < layout.snapshot_id(b)) == (a < b)
+
+
+def test_store_round_trip_and_immutability(tmp_path):
+    sid = layout.snapshot_id(3)
+    entries = [store.write_shard(tmp_path, sid, f"rank{r}.bin", bytes([r]) * (1000 + r))
+               for r in range(3)]
+    store.commit(tmp_path, sid, entries, {"step": 3})
+    found = store.load_latest(tmp_path)
+    assert found["snapshot_id"] == sid and found["shards"]["rank2.bin"] == b"\x02" * 1002
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(FileExistsError):
+        store.commit(tmp_path, sid, entries, {"step": 3})
+    with pytest.raises(FileExistsError):
+        store.write_shard(tmp_path, sid, "rank0.bin", b"new")
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / sid / "rank0.bin").read_bytes() \
+        == b"\x00" * 1000
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "outside", "absolute", "torn"])
+def test_verify_names_the_problem_and_load_latest_falls_back(tmp_path, damage):
+    for step in (1, 2):
+        sid = layout.snapshot_id(step)
+        store.commit(tmp_path, sid, [store.write_shard(tmp_path, sid, "a.bin", b"x" * 100)], {})
+    sid = layout.snapshot_id(2)
+    shard, manifest = tmp_path / sid / "a.bin", Path(layout.manifest_path(tmp_path, sid))
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(b"x" * 50)
+    elif damage in ("outside", "absolute"):
+        outside = tmp_path.parent / f"outside-{tmp_path.name}.bin"
+        outside.write_bytes(b"x" * 100)
+        manifest.write_text(manifest.read_text().replace(
+            f"{sid}/a.bin", f"../{outside.name}" if damage == "outside" else str(outside)))
+    else:
+        manifest.write_bytes(manifest.read_bytes()[:30])
+    with pytest.raises(CheckpointError) as error:
+        store.verify(tmp_path, sid)
+    assert sid in str(error.value)
+    found = store.load_latest(tmp_path)
+    assert found["snapshot_id"] == layout.snapshot_id(1) and found["skipped"][0][0] == sid
+
+
+def test_the_course_store_is_switched_off_in_lab_8(tmp_path):
+    with switched_off("Lab 8, task 1"):
+        with pytest.raises(CheckpointError, match="Lab 8, task 1"):
+            store.write_shard(tmp_path, "step-000000001", "a.bin", b"x")
+    store.write_shard(tmp_path, "step-000000001", "a.bin", b"x")
+
+
+# ---- crash trials ------------------------------------------------------------------------------
+
+_SAVE = variant("""
+def save(root, step):
+    from labkit.checkpoint import layout, store
+    sid = layout.snapshot_id(step)
+    return store.commit(root, sid, [store.write_shard(root, sid, "a.bin", b"y" * 70_000)], {})
+""", {})["save"]                                  # by value: a victim need not import this file
+
+
+def test_victims_kill_at_every_event_and_the_store_never_tears(tmp_path):
+    with crash.Victims() as victims:
+        (tmp_path / "clean").mkdir()
+        clean = victims.run(_SAVE, str(tmp_path / "clean"), 1)
+        names = [name for _, name, _ in clean["events"]]
+        assert names == ["write", "write", "fsync", "fsync", "fsync", "write", "fsync", "link",
+                         "unlink", "fsync"]
+        for k in range(1, len(names) + 1):
+            for when in ("kill_before", "kill_after"):
+                root = tmp_path / f"{when}{k}"
+                root.mkdir()
+                _SAVE(str(root), 0)
+                out = victims.run(_SAVE, str(root), 1, plan={when: k})
+                assert out["status"] == "killed" and tuple(out["killed_at"][:2]) == (k, when[5:])
+                linked = k > 8 or (k == 8 and when == "kill_after")
+                assert store.load_latest(root)["snapshot_id"] == layout.snapshot_id(int(linked))
+
+
+def test_victims_timer_pause_and_timeout():
+    import time
+    with crash.Victims() as victims:
+        out = victims.run(time.sleep, 5, plan={"kill_after_seconds": 0.05})
+        assert out["status"] == "killed" and out["killed_at"] == "timer"
+        out = victims.run(time.sleep, 5, plan={"timeout": 0.2})
+        assert out["status"] == "timeout"
+        out = victims.run(int, "x")
+        assert out["status"] == "error" and out["error"]["type"] == "ValueError"
+        with pytest.raises(ValueError, match="unknown plan keys"):
+            victims.run(int, "1", plan={"kil_before": 1})
+
+
+# ---- bench, resume, ZeRO-1 layout, interval ------------------------------------------------------
+
+def test_strict_resume_is_bitwise_and_a_warm_start_is_not():
+    straight = bench.Trainer()
+    straight.train(7)
+    reference_print = bench.fingerprint(straight)
+    first = bench.Trainer()
+    first.train(3)
+    blob = resume.to_bytes(resume.capture(first))
+    again = bench.Trainer()
+    resume.restore(again, resume.from_bytes(blob))
+    again.train(4)
+    assert bench.differences(reference_print, bench.fingerprint(again)) == []
+    warm = bench.Trainer()
+    warm.model.load_state_dict(resume.from_bytes(blob)["model"])
+    warm.train(4)
+    assert "weights" in bench.differences(reference_print, bench.fingerprint(warm))
+
+
+def test_restore_refuses_another_tokenizer_and_changes_nothing():
+    source = bench.Trainer()
+    state = resume.capture(source)
+    other = bench.Trainer(dict(bench.CONFIG, vocab=bench.CONFIG["vocab"][::-1]))
+    before = bench.fingerprint(other)
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        resume.restore(other, state)
+    assert bench.differences(before, bench.fingerprint(other)) == []
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 9))
+def test_flat_layout_ranges_cover_the_vector_once(numels, world_size):
+    flat = zero.FlatLayout([(f"p{i}", (n,)) for i, n in enumerate(numels)], world_size)
+    covered = [i for r in range(world_size) for i in range(*flat.range(r))]
+    assert covered == list(range(flat.padded)) and flat.padded - flat.numel < world_size
+    assert zero.FlatLayout.from_dict(flat.to_dict(), 3).offsets == flat.offsets
+
+
+@pytest.mark.parametrize("example", interval.DALY_EXAMPLES)
+def test_daly_worked_examples(example):
+    s = interval.DALY_SETUP
+    assert abs(interval.daly_interval(s["C_min"], example["M_min"]) - example["tau_opt_min"]) \
+        <= (0.05 if example["M_min"] < 60 else 0.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(1, 600), st.floats(3600, 1e6))
+def test_young_minimises_the_first_order_waste(C, M):
+    tau = interval.young_interval(C, M)
+    assert interval.first_order_waste(tau, C, M) <= min(
+        interval.first_order_waste(tau * f, C, M) for f in (0.9, 1.1))
+
+
+def test_simulation_matches_daly_for_exponential_failures():
+    tau, C, M, R, W = 60.0, 5.0, 600.0, 20.0, 3000.0
+    walls = interval.simulate(W, tau, C, R, interval.failure_sampler("exponential", M), 4000, 1)
+    expected = interval.daly_wall_time(tau, C, M, R, W)
+    assert abs(walls.mean() - expected) < 4 * walls.std() / math.sqrt(len(walls))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(20, 100), st.integers(2, 8), st.integers(1, 10), st.integers(0, 150),
+       st.integers(0, 30), st.floats(0, 1))
+def test_reference_simulate_async_agrees_with_the_one_failure_closed_form(ref_ns, tau, n, stall,
+                                                                          write, restart, where):
+    work = float(tau * n)
+    end = checks_async.one_failure_wall_time(work, tau, stall, write, restart)
+    failure = where * end
+    assert math.isclose(ref_ns["simulate_async"](work, tau, stall, write, restart, [failure]),
+                        checks_async.one_failure_wall_time(work, tau, stall, write, restart,
+                                                           failure), abs_tol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def ref_ns():
+    return reference()
+
+
+# ---- lab 8's checkers on real ranks: the reference passes, each wrong answer fails ---------------
+
+def answer_source(grade_id):
+    import nbformat
+    cell = next(c for c in nbformat.read(str(SOLUTION), as_version=4).cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return cell.source
+
+
+def wrong(grade_id, base_ns, *replacements):
+    """The reference answer of `grade_id` with (old, new) text replacements, in a fresh namespace
+    (each replaced text must occur: the test would otherwise test the reference)."""
+    source = answer_source(grade_id)
+    for old, new in replacements:
+        assert old in source, f"{old!r} not in the reference answer of {grade_id}"
+        source = source.replace(old, new)
+    namespace, _ = _namespace()
+    namespace.update({k: v for k, v in base_ns.items() if k not in namespace})
+    exec(compile(source, f"<wrong {grade_id}>", "exec"), namespace)
+    return namespace
+
+
+TASK1 = "task1_commit_verify_load"
+WRONG_TASK1 = {
+    "renames over an existing id": (
+        "durability", "two commits of one id", [("os.link(temp, target)",
+                                                 "os.replace(temp, target)"),
+                                                ("        os.unlink(temp)", "        pass")]),
+    "publishes the manifest before its shards are durable": (
+        "durability", "was not fsynced", [("            os.fsync(stream.fileno())                # "
+                                           "the bytes are on the disk ...", "")]),
+    "loads what it did not verify": (
+        "commit_verify", "load_latest", [("                verify_part(folder, sid)\n", ""),
+                                                  ("    manifest = verify_part(folder, sid)",
+                                                   "    manifest = json.load(open(manifest_path("
+                                                   "folder, sid)))"),
+                                                  ("        if sha256_bytes(data) != entry["
+                                                   "\"sha256\"]:", "        if False:")]),
+    "takes its own newest snapshot, without agreeing": (
+        "commit_verify", "load_latest returned", [("    sid = max(common)", "    sid = max(mine)")]),
+    "takes the smallest of the ranks' newest ids": (
+        "crash", "step-", [("    sid = max(common)", "    sid = min(max(ids) for ids in everyone)")]),
+    "accepts an id with a path separator": (
+        "commit_verify", "expected ValueError", [("    check_name(snapshot_id)                    "
+                                                  "      # ValueError for '', '..', 'a/b', ...", ""),
+                                                 ("    target = manifest_path(folder, snapshot_id)",
+                                                  "    target = os.path.join(folder, f\"{snapshot_id}"
+                                                  ".manifest.json\")")]),
+}
+
+
+def run_task1(check, ns, world):
+    if check == "durability":
+        checks.check_durability(world, ns["commit_part"], timeout=60)
+    elif check == "commit_verify":
+        checks.check_commit_verify(world, ns["commit_part"], ns["verify_part"], ns["load_latest"],
+                                   timeout=60)
+    else:
+        checks.check_crash_trials(world, ns["commit_part"], ns["load_latest"], trials=6,
+                                  timeout=60)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return labkit.world(3, teaching=False)
+
+
+@pytest.mark.timeout(300)
+def test_task1_reference_passes(ref, world3):
+    for check in ("commit_verify", "durability", "crash"):
+        run_task1(check, ref, world3)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", WRONG_TASK1)
+def test_task1_rejects(name, ref, world3):
+    check, message, replacements = WRONG_TASK1[name]
+    # a wrong load_latest may also fail on a rank (RankError): the points are lost all the same
+    with pytest.raises((AssertionError, labkit.LabkitError), match=message):
+        run_task1(check, wrong(TASK1, ref, *replacements), labkit.world(3, teaching=False))
+
+
+TASK2 = "task2_zero1_resume"
+WRONG_TASK2 = {
+    "forgets the data cursor": [("    trainer.data.position = parts[0][\"data\"][\"position\"]\n", "")],
+    "forgets NumPy's RNG state": [("    np.random.set_state((kind, keys.numpy().astype(np.uint32), "
+                                   "pos, has_gauss, cached))\n", "")],
+    "forgets the optimizer's current learning rate": [
+        ("    opt.param_groups[0][\"lr\"] = parts[0][\"lr\"]\n", "")],
+    "never checks the run's identity": [("    for key in (\"tokenizer\", \"config\", \"code\"):",
+                                         "    for key in ():")],
+}
+
+
+@pytest.mark.timeout(300)
+def test_task2_reference_passes(ref):
+    world = labkit.world(2, teaching=False)
+    checks_resume.check_zero1_resume(world, ref["capture_zero1"], ref["restore_zero1"])
+    checks_resume.check_zero1_reshard(lambda n: labkit.world(n, teaching=False),
+                                      ref["capture_zero1"], ref["restore_zero1"], saved_on=4,
+                                      loaded_on=(3,))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", WRONG_TASK2)
+def test_task2_rejects(name, ref):
+    ns = wrong(TASK2, ref, *WRONG_TASK2[name])
+    with pytest.raises(AssertionError):
+        checks_resume.check_zero1_resume(labkit.world(2, teaching=False), ns["capture_zero1"],
+                                         ns["restore_zero1"])
+
+
+@pytest.mark.timeout(300)
+def test_task2_rejects_a_reshard_that_ignores_the_layout(ref):
+    own_range = wrong(TASK2, ref, ("getattr(opt, name).copy_(flat[start:end])",
+                                   "getattr(opt, name).copy_(parts[trainer.rank][name])"))
+    with pytest.raises((AssertionError, labkit.LabkitError), match="moments laid end to end|raised"):
+        checks_resume.check_zero1_reshard(lambda n: labkit.world(n, teaching=False),
+                                          own_range["capture_zero1"], own_range["restore_zero1"],
+                                          saved_on=3, loaded_on=(2,))
+
+
+TASK3 = "task3_async_checkpointer"
+WRONG_TASK3 = {
+    "copies in the background thread, after the next step": (
+        "copy", "read by another thread|snapshot of step",
+        [("        for name, tensor in state.items():\n            self.buffers[name].copy_(tensor)"
+          "   # the copy, before the next step changes them\n", "        self.state = state\n"),
+         ("            self.write(step, self.buffers)",
+          "            for k, v in self.state.items():\n                self.buffers[k].copy_(v)\n"
+          "            self.write(step, self.buffers)")]),
+    "hands the live tensors to the write": (
+        "copy", "snapshot of step|live tensors",
+        [("        self.thread = threading.Thread(target=self._write, args=(step,), daemon=True)",
+          "        self.buffers = dict(state)\n        self.thread = threading.Thread("
+          "target=self._write, args=(step,), daemon=True)")]),
+    "saves synchronously": (
+        "copy", "did not return while its write",
+        [("        self.thread.start()\n        return", "        self.thread.start()\n"
+          "        self.thread.join()\n        return")]),
+    "starts a write while one is in flight": (
+        "flight", "while the previous one", [("        self.wait()                          # one "
+                                              "write in flight: it owns the buffers\n", "")]),
+    "swallows a failed write": (
+        "flight", "went unnoticed", [("            self.error = error", "            pass")]),
+    "allocates new buffers at every save": (
+        "flight", "host buffers changed", [("        if self.buffers is None:\n", "        if True:\n")]),
+}
+
+
+@pytest.mark.timeout(300)
+def test_task3_reference_passes(ref):
+    checks_async.check_async_checkpointer(labkit.world(2, teaching=False), ref["AsyncCheckpointer"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", WRONG_TASK3)
+def test_task3_rejects(name, ref):
+    aspect, message, replacements = WRONG_TASK3[name]
+    ns = wrong(TASK3, ref, *replacements)
+    with pytest.raises(AssertionError, match=message):
+        checks_async.check_async_checkpointer(labkit.world(2, teaching=False),
+                                              ns["AsyncCheckpointer"], aspects=(aspect,))
+
+
+TASK4 = "task4_interval"
+
+
+@pytest.mark.timeout(300)
+def test_task4_reference_passes_and_wrong_answers_fail(ref):
+    world = labkit.world(2, teaching=False)
+    checks_async.check_simulate_async(world, ref["simulate_async"])
+    checks_async.check_simulate_matches_daly(world, ref["simulate_async"])
+    checks_async.check_async_interval(ref["async_interval"])
+    taken = wrong(TASK4, ref, ("                    pending, since = (t + write, done), 0.0",
+                               "                    pending, since = (t, done), 0.0"))
+    with pytest.raises(AssertionError, match="write had finished"):
+        checks_async.check_simulate_async(world, taken["simulate_async"])
+    ignores_restart_failures = wrong(TASK4, ref, ("                t = upcoming\n                i += 1",
+                                                  "                i += 1"))
+    with pytest.raises(AssertionError, match="write had finished"):
+        checks_async.check_simulate_async(world, ignores_restart_failures["simulate_async"])
+    with_write = wrong(TASK4, ref, ("    return math.sqrt(2 * stall * mtbf)",
+                                    "    return math.sqrt(2 * (stall + write) * mtbf)"))
+    with pytest.raises(AssertionError, match="async_interval"):
+        checks_async.check_async_interval(with_write["async_interval"])
