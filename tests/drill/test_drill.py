@@ -430,6 +430,16 @@ def test_boxes_move_and_come_back_when_due(drill_file):
     assert [t for t, *_ in drill.Store().weakest()] == ["moe", "collectives"]
 
 
+def test_two_sessions_on_one_file_keep_each_others_answers(drill_file):
+    notebook, terminal_store = drill.Store(), drill.Store()      # started at the same time
+    notebook.record("ring-bytes", "collectives", True)
+    terminal_store.record("capacity", "moe", False)
+    notebook.record("bubble", "pipeline", True)
+    items = json.loads(drill_file.read_text())["items"]
+    assert sorted(items) == ["bubble", "capacity", "ring-bytes"]
+    assert items["ring-bytes"]["box"] == 2 and items["capacity"]["box"] == 1
+
+
 def test_an_unreadable_file_is_moved_aside_and_an_unwritable_one_is_survived(tmp_path):
     bad = tmp_path / "drill.json"
     bad.write_text("{not json")

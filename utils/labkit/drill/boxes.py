@@ -9,17 +9,24 @@ skipped, it goes back to box 1. A question in box b is due once every 1, 2, 4, 8
 drill is one question whatever numbers it draws: it is the derivation that is learnt.
 
 The file is written after every answer (to a temporary file, then renamed over the old one, so an
-interrupted write never leaves half a file). A file that cannot be read is moved aside, not
-overwritten; a file that cannot be written leaves the drill working without saving. Either way
-`store.notes` says what happened.
+interrupted write never leaves half a file), under a lock, merged with what is on disk: a notebook
+and a terminal drilling at the same time keep each other's answers. A file that cannot be read is
+moved aside, not overwritten; a file that cannot be written leaves the drill working without
+saving. Either way `store.notes` says what happened.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:              # not POSIX: saves are not locked against a second session
+    fcntl = None
 
 ENVIRONMENT = "LABKIT_DRILL_FILE"
 DEFAULT = Path("~") / ".labkit" / "drill.json"
@@ -39,6 +46,7 @@ class Store:
         self.data = self._load()
         self.session = self.data["sessions"] + 1    # this session's number, saved on first answer
         self._can_save = True
+        self._mine: set = set()                      # questions answered in this session
 
     # ---- the file ----
 
@@ -65,17 +73,46 @@ class Store:
             self.notes.append(f"Could not read {self.path} ({exc}); {where} and started afresh.")
             return self._empty()
 
+    @contextlib.contextmanager
+    def _locked(self):
+        if fcntl is None:
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _merge_from_disk(self) -> None:
+        """Take what other sessions saved meanwhile; this session's own answers win."""
+        try:
+            disk = json.loads(self.path.read_text(encoding="utf-8"))
+            items = dict(disk["items"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        items.update({key: self.data["items"][key] for key in self._mine})
+        history = {h.get("session"): h for h in disk.get("history", [])}
+        history.update({h.get("session"): h for h in self.data["history"]
+                        if h.get("session") == self.session})
+        self.data = {**self.data, "items": items,
+                     "sessions": max(int(disk.get("sessions", 0)), self.data["sessions"]),
+                     "history": sorted(history.values(), key=lambda h: h.get("session", 0))}
+
     def save(self) -> bool:
         """Write the file atomically; False (and a note, once) where it cannot be written."""
         if not self._can_save:
             return False
-        self.data["sessions"] = max(self.data["sessions"], self.session)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".drill-")
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
-                json.dump(self.data, out, indent=1, sort_keys=True)
-            os.replace(temporary, self.path)
+            with self._locked():
+                self._merge_from_disk()
+                self.data["sessions"] = max(self.data["sessions"], self.session)
+                handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".drill-")
+                with os.fdopen(handle, "w", encoding="utf-8") as out:
+                    json.dump(self.data, out, indent=1, sort_keys=True)
+                os.replace(temporary, self.path)
             return True
         except OSError as exc:
             self._can_save = False
@@ -109,6 +146,7 @@ class Store:
         item["right"] += int(bool(right))
         item["topic"] = topic
         item["last_session"] = self.session
+        self._mine.add(key)
         self.save()
         return before, item["box"]
 
