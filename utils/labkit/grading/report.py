@@ -273,7 +273,7 @@ def render(data: ClassData) -> str:
     e = html.escape
     scores = [s for s, _ in data.scores.values()]
     seconds = sorted(r["seconds"] for r in data.record.values())
-    shards = sorted({r["shard"] for r in data.record.values()})
+    shards = sorted({r["shard"] for r in data.record.values()} - {"-"})
     problems = [(s, data.scores.get(s, (0.0, 0.0))[0], r["seconds"], r["problems"])
                 for s, r in sorted(data.record.items()) if r["problems"]]
     unrecorded = sorted(set(data.scores) - set(data.record))
@@ -287,7 +287,7 @@ def render(data: ClassData) -> str:
              f"{statistics.median(scores) if scores else 0:g} of "
              f"{sum(t[2] for t in data.tasks):g}; grading time median "
              f"{statistics.median(seconds) if seconds else 0:.1f} s, max "
-             f"{max(seconds) if seconds else 0:.1f} s; shards: {e(', '.join(shards)) or '-'}."
+             f"{max(seconds) if seconds else 0:.1f} s; shards: {e(', '.join(shards)) or 'none'}."
              "</p>"]
     for title, png in figures(data, tasks).items():
         parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' "
