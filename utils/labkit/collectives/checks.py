@@ -1,134 +1,196 @@
-"""Checkers for a hand-written all-reduce (lab 1): results, the ops it used, the bytes it sent.
+"""Checkers for lab 1: a hand-written all-reduce, checked by its values and by its traffic.
 
-The function under test runs on every rank as `fn(tensor, op)` with op "sum" or "max"; it must
-leave the reduction in `tensor` (in place, like `dist.all_reduce`). Inputs are small integers
-(stored in the requested dtype), so float sums are exact whatever the order of the additions and
-results are compared exactly.
+The function under test runs on every rank as `fn(tensor, op)`, with op "sum" or "max"; it must
+leave the reduction in `tensor` (in place, like `dist.all_reduce`), and it is the tensor handed
+over that is read back. Each rank is sent only its own input (`world.run_each`), drawn fresh for
+every check (`checks.Case`: the seed is printed in every failure) and spanning the dtype's range,
+so that a detour through a narrower dtype shows. Expected values are computed here, never on a
+rank. Traffic is counted outside the ranks (`world.traffic()`) on the same call as the values.
 
-    check_all_reduce(world, ring_all_reduce, length=1003, dtype="int64", op="max", timeout=20)
-    check_point_to_point_only(world, ring_all_reduce, length=1003, timeout=20)
-    check_ring_traffic(world, ring_all_reduce, length=1003, timeout=20)
+    check_all_reduce(world, ring_all_reduce, length=1003, dtype="int64", op="max")
+    check_ring_traffic(world, ring_all_reduce, length=1003)           # P >= 3 tells a ring
+    check_recursive_doubling_traffic(world, recursive_doubling_all_reduce, length=100)
 
 The same functions serve the lab's test cells and tests/chapters/test_ch01_collectives.py.
 """
 from __future__ import annotations
 
-import cloudpickle
-
-from labkit.checks import REDUCE_OPS
-from labkit.collectives import ring_bytes_sent
+from labkit import checks
 
 POINT_TO_POINT_OPS = ("send", "recv", "isend", "irecv")
-SENDING_OPS = ("send", "isend")
 DTYPES = ("float32", "float64", "int32", "int64")
+OPS = ("sum", "max")
 
 
-def rank_input(rank, length, dtype="float32"):
-    """The tensor rank `rank` starts with: integers in [-20, 20], different on every rank."""
-    import torch
-    generator = torch.Generator().manual_seed(1000 * rank + length)
-    values = torch.randint(-20, 21, (length,), generator=generator)     # values: [N]
-    return values.to(getattr(torch, dtype))
-
-
-def expected_all_reduce(world_size, length, dtype="float32", op="sum"):
-    """What every rank must hold afterwards: the element-wise op over all ranks' inputs."""
-    import torch
-    stacked = torch.stack([rank_input(r, length, dtype) for r in range(world_size)])  # [P, N]
-    if op == "sum":
-        return stacked.sum(dim=0).to(stacked.dtype)
-    if op == "max":
-        return stacked.max(dim=0).values
-    raise ValueError(f"op must be 'sum' or 'max' here, got {op!r}")
-
-
-def _call_on_rank(fn_bytes, length, dtype, op):
-    import torch.distributed as dist
-    fn = cloudpickle.loads(fn_bytes)
-    tensor = rank_input(dist.get_rank(), length, dtype)
+def _program(share, fn, op):
+    """On a rank: hand this rank's input to fn; the same tensor is read back."""
+    tensor = share.clone()
     fn(tensor, op)
     return tensor
 
 
-def _validate(length, dtype, op):
+def _validate(world, length, dtype, op):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if op not in ("sum", "max") or op not in REDUCE_OPS:
-        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
 
 
+def _hint(got, expected, share, others, op, length, P) -> str:
+    """Name the likely mistake from what came back."""
+    import torch
+    if got.dtype != expected.dtype:
+        return f"the tensor came back as {got.dtype}: keep the dtype ({expected.dtype})"
+    wrong = (got != expected).nonzero().flatten()
+    first = int(wrong[0])
+    base, extra = divmod(length, P)
+    if length % P and first >= P * base:
+        return ("the wrong entries are the last ones: when P does not divide the length, the "
+                "first N % P chunks get one element more; do the chunks cover every element?")
+    if torch.equal(got, share):
+        return ("the tensor handed over is unchanged: reduce into it in place (flat = "
+                "tensor.view(-1); add_/copy_ into slices of flat), do not rebind the name")
+    if op == "max" and torch.equal(got, checks.reduce(others, "sum")):
+        return "op='max' came back as a sum: apply the op you were given"
+    starts = [i * base + min(i, extra) for i in range(P + 1)]
+    chunk = next(i for i in range(P) if starts[i] <= first < starts[i + 1])
+    return (f"the first wrong element is in chunk {chunk} of {P}: check which chunk each step "
+            "sends and which it receives, and that every chunk is reduced P - 1 times")
+
+
 def check_all_reduce(world, fn, length, dtype="float32", op="sum", timeout=20):
-    """Run fn(tensor, op) on every rank; every rank's tensor must equal the true reduction."""
-    _validate(length, dtype, op)
-    results = world.call(_call_on_rank, args=(cloudpickle.dumps(fn), length, dtype, op),
-                         timeout=timeout)
-    expected = expected_all_reduce(world.size, length, dtype, op)
+    """Run fn(tensor, op) on every rank; every rank's tensor must equal the true reduction.
+
+    Returns the per-rank results. Raises AssertionError naming the rank, the case's seed, the
+    first wrong entry and the likely mistake."""
+    _validate(world, length, dtype, op)
     P = world.size
+    case = checks.Case(f"all-reduce of {length} {dtype} elements, op={op!r}, P={P}")
+    shares = [case.exact_values((length,), dtype, terms=P) for _ in range(P)]   # each: [N]
+    expected = checks.reduce(shares, op)                                        # [N]
+    results = world.run_each(_program, shares, fn, op, timeout=timeout)
+    checks.one_result_per_rank(results, P, case, what="the all-reduce")
+    import torch
     for rank, got in enumerate(results):
-        where = f"P={P}, length {length}, {dtype}, op={op!r}"
-        if got.dtype != expected.dtype or got.shape != expected.shape:
-            raise AssertionError(f"rank {rank} ({where}): tensor is {got.dtype} {tuple(got.shape)}"
-                                 f", expected {expected.dtype} {tuple(expected.shape)}; reduce in "
-                                 "place and keep the dtype")
-        wrong = (got != expected).nonzero().flatten()
-        if len(wrong):
-            i = int(wrong[0])
-            hint = ("the wrong entries start near the end: do the chunks cover every element "
-                    "when P does not divide the length?" if length % P and i >= length - length % P
-                    - length // P - 1 else "check which chunk each step sends and receives")
-            raise AssertionError(f"rank {rank} ({where}): {len(wrong)} of {length} entries wrong, "
-                                 f"first at index {i}: got {got[i].item()}, expected "
-                                 f"{expected[i].item()}; {hint}")
+        same_form = (isinstance(got, torch.Tensor) and got.shape == expected.shape)
+        if same_form and got.dtype == expected.dtype and torch.equal(got, expected):
+            continue
+        hint = _hint(got, expected, shares[rank], shares, op, length, P) if same_form else ""
+        # sums of these inputs are exact in the dtype: compare exactly
+        checks.check(got, expected, f"rank {rank}'s tensor", rtol=0, atol=0, case=case,
+                     hint=hint)
     return results
 
 
-def trace_one_call(world, fn, length, dtype="float32", op="sum", timeout=20):
-    """Trace one fn(tensor, op) on every rank; returns the labkit Trace."""
-    _validate(length, dtype, op)
-    with world.tracing() as trace:
-        world.call(_call_on_rank, args=(cloudpickle.dumps(fn), length, dtype, op),
-                   timeout=timeout)
-    return trace
+def _chunk_sizes(length, P):
+    base, extra = divmod(length, P)
+    return [base + (1 if i < extra else 0) for i in range(P)]
 
 
-def check_point_to_point_only(world, fn, length, dtype="float32", timeout=20):
-    """fn may use send/recv/isend/irecv and nothing else (no collective, not even a barrier)."""
-    trace = trace_one_call(world, fn, length, dtype, "sum", timeout)
-    for rank in range(world.size):
-        used = [name for name in trace.op_names(rank) if name not in POINT_TO_POINT_OPS]
-        if used:
-            raise AssertionError(f"rank {rank} called {used}: build the all-reduce from "
-                                 f"{list(POINT_TO_POINT_OPS)} only")
-    return trace
+def ring_payload(length, P, itemsize):
+    """(data, messages): bytes and messages rank r must send to rank q in the lab's ring.
+
+    Reduce-scatter step s: rank r sends chunk (r - s) mod P to (r + 1) mod P; all-gather step s:
+    chunk (r + 1 - s) mod P. Empty chunks are not sent."""
+    sizes = _chunk_sizes(length, P)
+    data = [[0] * P for _ in range(P)]
+    messages = [[0] * P for _ in range(P)]
+    for r in range(P):
+        right = (r + 1) % P
+        for s in range(P - 1):
+            for chunk in ((r - s) % P, (r + 1 - s) % P):
+                data[r][right] += sizes[chunk] * itemsize
+                messages[r][right] += 1 if sizes[chunk] else 0
+    return data, messages
 
 
-def bytes_handed_to_sends(trace, rank):
-    """Bytes of the tensors the rank passed to send/isend (what it chose to send)."""
-    return sum(record["tensor_bytes"] for record in trace.ops(rank, SENDING_OPS))
+def recursive_doubling_payload(length, P, itemsize):
+    """(data, messages) of the lab's recursive doubling: ranks r >= p2 (the largest power of two
+    <= P) fold into r - p2 and get the result back; ranks below p2 swap the whole tensor with
+    r XOR 2^k for each 2^k < p2."""
+    n = length * itemsize
+    p2 = 1 << (P.bit_length() - 1)
+    data = [[0] * P for _ in range(P)]
+    messages = [[0] * P for _ in range(P)]
+
+    def add(r, q):
+        data[r][q] += n
+        messages[r][q] += 1
+    for r in range(p2, P):
+        add(r, r - p2)
+        add(r - p2, r)
+    for r in range(p2):
+        distance = 1
+        while distance < p2:
+            add(r, r ^ distance)
+            distance *= 2
+    return data, messages
+
+
+def _traffic_program(share, fn, op):
+    return _program(share, fn, op)
+
+
+def _check_traffic(world, fn, length, dtype, timeout, payload, what, hint):
+    import torch
+    _validate(world, length, dtype, "sum")
+    P = world.size
+    case = checks.Case(f"{what}: {length} {dtype} elements, P={P}")
+    shares = [case.exact_values((length,), dtype, terms=P) for _ in range(P)]
+    expected = checks.reduce(shares, "sum")
+    # One unmeasured call first: connections (and teaching mode's point-to-point group) are set
+    # up through the rendezvous store on first use, which would count as traffic to no rank.
+    world.run_each(_traffic_program, [share[:P] for share in shares], fn, "sum", timeout=timeout)
+    with world.traffic() as traffic:
+        results = world.run_each(_traffic_program, shares, fn, "sum", timeout=timeout)
+    checks.one_result_per_rank(results, P, case, what=what)
+    for rank, got in enumerate(results):
+        checks.check(got, expected, f"rank {rank}'s tensor", rtol=0, atol=0, case=case)
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    data, messages = payload(length, P, itemsize)
+    checks.expect_traffic(traffic, data, messages, case=case, what=what, hint=hint)
+    return traffic
 
 
 def check_ring_traffic(world, fn, length, dtype="float32", timeout=20):
-    """Each rank sends 2(P-1)/P of the data, up to rounding; all ranks together 2(P-1) * N.
+    """The values and, on the same call, the bytes each rank sent to each other rank: exactly
+    the chunks of the ring, to the right neighbour (r + 1) mod P only, 2(P - 1)/P of the data
+    per rank. Meaningful at P >= 3 (at P = 2 both neighbours are the same rank)."""
+    return _check_traffic(
+        world, fn, length, dtype, timeout, ring_payload, "ring all-reduce traffic",
+        "a ring sends each rank's chunks to its right neighbour (r + 1) mod P and nothing to "
+        "anyone else, 2(P - 1) chunks in all; a direct exchange, a collective called inside, or "
+        "a ring turning the other way sends to other ranks")
 
-    With chunks of floor(N/P) or ceil(N/P) elements, a rank's 2(P-1) sends total between
-    2(P-1) * floor(N/P) and 2(P-1) * ceil(N/P) elements. Returns {rank: bytes sent}.
-    """
+
+def check_recursive_doubling_traffic(world, fn, length, dtype="float32", timeout=20):
+    """The values and the partners: rank r exchanges the whole tensor with r XOR 2^k for each
+    step, ranks beyond the largest power of two fold in and get the result back."""
+    return _check_traffic(
+        world, fn, length, dtype, timeout, recursive_doubling_payload,
+        "recursive doubling traffic",
+        "recursive doubling swaps the whole tensor with partner r XOR 2^k in step k (k = 0, 1, "
+        "...), and ranks r >= p2 send to r - p2 first and get the result back last; a ring, or "
+        "a collective called inside, talks to other partners")
+
+
+def ops_used(world, fn, length=64, timeout=20):
+    """{rank: op names} a call of fn made through torch.distributed, from labkit's trace (records
+    written inside the ranks: a hint for messages, never evidence for points)."""
     import torch
-    trace = check_point_to_point_only(world, fn, length, dtype, timeout)
-    P, itemsize = world.size, torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    sent = {rank: bytes_handed_to_sends(trace, rank) for rank in range(P)}
-    low, high = (2 * (P - 1) * (length // P) * itemsize, 2 * (P - 1) * -(-length // P) * itemsize)
-    ideal = ring_bytes_sent("all_reduce", length * itemsize, P)
-    for rank, count in sent.items():
-        if not low <= count <= high:
-            raise AssertionError(f"rank {rank} sent {count} bytes for {length} elements of "
-                                 f"{itemsize} bytes on P={P}: a ring sends 2(P-1)/P of the data, "
-                                 f"{ideal:.0f} bytes (between {low} and {high} with rounding)")
-    total = sum(sent.values())
-    if total != 2 * (P - 1) * length * itemsize:
-        raise AssertionError(f"all ranks together sent {total} bytes, a ring sends 2(P-1) * N = "
-                             f"{2 * (P - 1) * length * itemsize}: is every chunk sent exactly "
-                             "P-1 times in each phase?")
-    return sent
+    shares = [torch.arange(length, dtype=torch.float32) * (rank + 1) for rank in range(world.size)]
+    with world.tracing() as trace:
+        world.run_each(_program, shares, fn, "sum", timeout=timeout)
+    return {rank: trace.op_names(rank) for rank in range(world.size)}
+
+
+def explain_ops(used: dict) -> None:
+    """Raise with the ranks that called something other than send/recv (a hint only)."""
+    bad = {rank: [op for op in names if op not in POINT_TO_POINT_OPS]
+           for rank, names in used.items()}
+    bad = {rank: names for rank, names in bad.items() if names}
+    if bad:
+        raise AssertionError(f"these ranks called more than send/recv/isend/irecv: {bad}; build "
+                             f"the all-reduce from {list(POINT_TO_POINT_OPS)} only")
