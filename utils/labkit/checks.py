@@ -30,8 +30,11 @@ _EXACT = {
     "float64": (2 ** 51, 2.0 ** -20), "float32": (2 ** 23, 2.0 ** -8),
     "bfloat16": (2 ** 7, 2.0 ** -2), "float16": (2 ** 10, 2.0 ** -4),
 }
-# Bytes gloo puts on a TCP connection besides a message's payload: a header with each message
-# and a short notice from the receiver back to the sender (measured: 96 and 48 bytes).
+# Bytes gloo puts on a TCP connection besides a point-to-point message's payload: a header with
+# each message and a short notice from the receiver back to the sender (measured: 96 and 48 bytes).
+# A collective's own messages carry more (about 288 bytes per chunk of an all-reduce), and teaching
+# mode adds a fingerprint exchange of about 800 bytes per peer per collective: checkers of
+# collectives pass their own per_message (or rel), and may read world.teaching.
 GLOO_BYTES_PER_MESSAGE = 160
 
 

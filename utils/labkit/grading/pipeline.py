@@ -61,6 +61,7 @@ class GradeReport:
     seconds: float
     jobs: int
     grades_csv: str = ""
+    sandbox: str = ""        # the run's sandbox folder (removed at the end; its path names it)
 
     @property
     def scores(self) -> dict:
@@ -472,7 +473,8 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     grades_csv = os.path.join(out, f"grades-shard-{shard[0]}-of-{shard[1]}.csv" if shard
                               else "grades.csv")
     _write_csv(grades_csv, results)
-    report = GradeReport(lab, out, results, time.monotonic() - started, jobs, grades_csv)
+    report = GradeReport(lab, out, results, time.monotonic() - started, jobs, grades_csv,
+                         os.path.join(sandbox_base, run_id))
     log(summary(report, executed - started))
     return report
 

@@ -1,6 +1,6 @@
 """A kernel that runs one submission's code, isolated from the grader and from other submissions.
 
-    box = Sandbox(run_dir, slot=0, limits=Limits())
+    box = Sandbox(run_dir, limits=Limits())       # leases a slot no other grading run holds
     box.start()                                   # ~1-2 s: namespaces, user, kernel ready
     result = box.execute("x = 1 + 1", timeout=30) # ExecResult: status, outputs, payloads
     box.close()                                   # every process of the submission is gone
@@ -89,6 +89,28 @@ def isolation_report() -> dict:
             "cgroup_memory": "memory" in cgroups, "cgroup_pids": "pids" in cgroups}
 
 
+MAX_SLOTS = 64
+
+
+def lease_slot() -> tuple[int, int]:
+    """A sandbox slot no other grading process on this machine holds: (slot, fd). The slot's
+    users (`labkit-grade<slot>`, and its ranks' uids) are this process's until the fd is closed,
+    so two grading runs at once never share a user (whose processes each one kills when done)."""
+    import fcntl
+    import tempfile
+    folder = os.path.join(tempfile.gettempdir(), "labkit-grading-slots")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for slot in range(MAX_SLOTS):
+        fd = os.open(os.path.join(folder, f"{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        return slot, fd
+    raise RuntimeError(f"all {MAX_SLOTS} grading slots of this machine are in use")
+
+
 def ensure_user(slot: int) -> tuple[int, int]:
     """uid, gid of the sandbox user of a slot, created (no home, no login) when missing."""
     name = f"labkit-grade{slot}"
@@ -123,8 +145,13 @@ def _clean_text(text: str) -> str:
 
 
 class Sandbox:
-    def __init__(self, run_dir: str, slot: int, limits: Limits | None = None, name: str = "s"):
+    def __init__(self, run_dir: str, slot: int | None = None, limits: Limits | None = None,
+                 name: str = "s"):
+        """slot: None leases a free one for this sandbox's lifetime (see lease_slot)."""
         self.limits = limits or Limits()
+        self._slot_lock = None
+        if slot is None:
+            slot, self._slot_lock = lease_slot()
         self.run_dir, self.slot, self.name = run_dir, slot, name
         self.run_id = os.path.basename(os.path.dirname(run_dir.rstrip("/"))) or "run"
         self.isolated, self.why = can_isolate()
@@ -133,8 +160,11 @@ class Sandbox:
         self.proc = None
         self.client = None
         self.cgroups: list[str] = []
+        self.rank_cgroups: list[str] = []
         self.uid = self.gid = None
         self.log_path = None
+        self.root = None
+        self._namespace_pid = None
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, seed_dir: str | None = None):
@@ -162,7 +192,8 @@ class Sandbox:
                "IPYTHONDIR": os.path.join(self.workdir, ".ipython"),
                "JUPYTER_RUNTIME_DIR": os.path.join(self.workdir, ".kernel"),
                "MPLBACKEND": "agg", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
-               "NBGRADER_EXECUTION": "autograde", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+               "NBGRADER_EXECUTION": "autograde", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+               "TORCH_CPP_LOG_LEVEL": "ERROR"}   # c10d reverse-lookup warnings: no DNS here
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn_path,
                 "--HistoryManager.enabled=False"]
         self.log_path = os.path.join(self.private, "kernel.log")
@@ -174,20 +205,24 @@ class Sandbox:
             rlimits["RLIMIT_NPROC"] = self.limits.processes
             controllers = cgroup_dirs()
             for controller, base in controllers.items():
-                path = os.path.join(base, "labkit-grading", self.run_id, tag)
-                os.makedirs(path)
-                self.cgroups.append(path)
-                if controller == "memory":
-                    _write(os.path.join(path, "memory.limit_in_bytes"), self.limits.memory_bytes)
-                    _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
-                else:
-                    _write(os.path.join(path, "pids.max"), self.limits.processes)
+                # the kernel's cgroup, and one for the ranks the grader starts (grading/ranks.py):
+                # a fork bomb or a memory hog in the kernel cannot starve the graded calls
+                for name, into in ((tag, self.cgroups), (tag + "-ranks", self.rank_cgroups)):
+                    path = os.path.join(base, "labkit-grading", self.run_id, name)
+                    os.makedirs(path)
+                    into.append(path)
+                    if controller == "memory":
+                        _write(os.path.join(path, "memory.limit_in_bytes"),
+                               self.limits.memory_bytes)
+                        _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
+                    else:
+                        _write(os.path.join(path, "pids.max"), self.limits.processes)
             if "memory" not in controllers:
                 rlimits["RLIMIT_AS"] = self.limits.memory_bytes
             for dirpath, dirnames, filenames in os.walk(self.workdir):
                 for entry in [dirpath] + [os.path.join(dirpath, n) for n in filenames]:
                     os.chown(entry, self.uid, self.gid)
-            root = os.path.join(self.private, "root")
+            root = self.root = os.path.join(self.private, "root")
             os.makedirs(root, mode=0o700)
             spec = {"root": root, "workdir": self.workdir, "uid": self.uid, "gid": self.gid,
                     "read_only": _read_only_paths(), "tmp_bytes": self.limits.tmp_bytes,
@@ -246,6 +281,21 @@ class Sandbox:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def private_dir(self) -> str:
+        """A folder of the grader's (root only), removed with the sandbox."""
+        return self.private
+
+    def namespace_pid(self) -> int:
+        """Host pid of the sandbox's first process (its namespaces are the sandbox's)."""
+        if self._namespace_pid is None:
+            path = f"/proc/{self.proc.pid}/task/{self.proc.pid}/children"
+            with open(path) as f:
+                children = f.read().split()
+            if not children:
+                raise RuntimeError("the sandbox has no first process (did it exit?)")
+            self._namespace_pid = int(children[0])
+        return self._namespace_pid
 
     # ---- run code ------------------------------------------------------------------------------
     def execute(self, code: str, timeout: float) -> ExecResult:
@@ -317,13 +367,16 @@ class Sandbox:
                     except ProcessLookupError:
                         pass
             self.proc.wait()
-        for path in self.cgroups:
+        for path in self.cgroups + self.rank_cgroups:
             _empty_and_remove(path)
-        self.cgroups = []
+        self.cgroups, self.rank_cgroups = [], []
         if self.uid is not None:
             _wait_user_gone(self.uid)
         shutil.rmtree(getattr(self, "workdir", ""), ignore_errors=True)
         shutil.rmtree(getattr(self, "private", ""), ignore_errors=True)
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)
+            self._slot_lock = None
 
 
 def _append_stream(outputs, stderr, text):

@@ -1,22 +1,27 @@
 """The trusted side of grading one submission: test cells run here, never in the student's kernel.
 
-    runner = TrustedRunner(session)          # session: the submission's sandbox (see worker.py)
-    verdict = runner.run_test(cell)          # {"passed": bool, "outputs": [...]}
+    runner = TrustedRunner(session, task_names)  # session: the submission's sandbox (worker.py)
+    verdict = runner.run_test(source, label)     # {"passed": bool, "outputs": [...]}
 
 The test cell's source (restored from the gradebook, hidden part included) is executed in this
 process, in a fresh namespace holding the lab's locked setup cells. The lab's task names (the
-top-level names of its solution cells) are bound to `StudentProxy` objects: calling one sends
-plain-data arguments to the sandbox and brings back plain values (`torch.load(weights_only=True)`:
-tensors, numbers, strings, containers; never an arbitrary object). `labkit.world(P)` here returns
-a `GradingWorld`: a call that involves a task function runs on the sandbox's ranks; any other
-call (a reference such as `real_all_reduce`) runs on ranks that this trusted process starts.
-Assertions, checkers and references therefore run where no student code ever ran; a test cell
-passes only when this process executed it to its last line.
+top-level names of its solution cells) are bound to `StudentProxy` objects. `labkit.world(P)` here
+returns a `GradingWorld`:
+- a call that involves a task name (`world.run_each(program, shares, ring_all_reduce)`, or a
+  checker that makes one) runs on ranks THIS process starts inside the sandbox (grading/ranks.py):
+  each rank a user of its own, its inputs written by this process, its traffic counted by the
+  operating system outside the ranks, its results read back as plain data;
+- any other call (a reference such as `real_all_reduce`) runs on ranks this process starts on the
+  host, where no student code ever ran;
+- a direct call of a task function (`crossover_bytes(1e-4, 1e-9, 4)`) runs on a sandbox rank of its
+  own, with plain arguments and a plain result.
+The student's kernel only hands over its task objects as bytes, which this process never loads.
+Assertions, checkers, references and expected values run where no student code ever ran; a test
+cell passes only when this process executed it to its last line.
 """
 from __future__ import annotations
 
 import ast
-import base64
 import builtins
 import contextlib
 import io
@@ -26,9 +31,10 @@ import types
 
 import cloudpickle
 
-from labkit.grading import _kernel_side
+from labkit.grading import rankside
 from labkit.grading.notebook import hidden_lines
 
+MARKER = "labkit-student:"
 _MARKER_RE = re.compile(rb"labkit-student:([A-Za-z_][A-Za-z0-9_]*)")
 _REBUILT = {e.__name__: e for e in (ValueError, TypeError, KeyError, IndexError,
                                     ZeroDivisionError, NotImplementedError, RuntimeError,
@@ -57,34 +63,26 @@ class StudentCrashed(Exception):
 
 
 def loads_plain(payload: bytes):
-    import torch
-    return torch.load(io.BytesIO(payload), weights_only=True)
+    from labkit.runtime.plain import loads
+    return loads(payload)
 
 
-def dumps_plain(obj) -> str:
-    import torch
-    _kernel_side.plain(obj)               # raises TypeError on anything that is not plain
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
+def rebuild(error):
+    """A RankError of a direct call as the student's own exception type, when it is a builtin one
+    a test may expect (`ValueError` for bad input); otherwise the RankError itself."""
+    from labkit.errors import RankError
+    if isinstance(error, RankError) and error.module == "builtins" and error.kind in _REBUILT:
+        rebuilt = _REBUILT[error.kind](_student_message(error))
+        rebuilt.student_traceback = error.traceback
+        return rebuilt
+    return error
 
 
-def rebuild_error(info: dict) -> BaseException:
-    """The student's exception, as an instance of a class of THIS process."""
-    from labkit import errors
-    kind, message = str(info.get("type")), str(info.get("message"))
-    if kind == "RankError" and info.get("module", "").startswith("labkit"):
-        return errors.RankError(message, info.get("rank"), info.get("rank_traceback", ""),
-                                dict(info.get("errors") or {}))
-    if kind == "RankDied" and info.get("module", "").startswith("labkit"):
-        return errors.RankDied(message, info.get("rank"), info.get("exitcode"))
-    if kind == "CallTimeout" and info.get("module", "").startswith("labkit"):
-        return errors.CallTimeout(message, info.get("diagnosis", ""))
-    if kind in ("WorldError", "PicklingError") and info.get("module", "").startswith("labkit"):
-        return getattr(errors, kind)(message)
-    if kind in _REBUILT and info.get("module") == "builtins":
-        return _REBUILT[kind](message)
-    return StudentCodeError(info)
+def _student_message(error) -> str:
+    """The exception's own message, out of RankError's 'rank 0 raised X: message' headline."""
+    text = str(error).split("\n\n", 1)[0]
+    prefix = f"rank {error.rank} raised {error.kind}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
 
 
 class StudentProxy:
@@ -95,23 +93,18 @@ class StudentProxy:
         self.__name__ = self.__qualname__ = name
 
     def __call__(self, *args, **kwargs):
-        try:
-            encoded = dumps_plain((list(args), kwargs))
-        except TypeError as error:
-            raise GradingError(f"the test calls {self._name}() with a value that is not plain "
-                               f"data: {error}") from None
-        return self._session.remote(f"__labkit_grading__.call({self._name!r}, {encoded!r})",
-                                    what=f"{self._name}()")
+        return self._session.call_student(self._name, list(args), dict(kwargs))
 
     def __reduce__(self):
-        return (_kernel_side.student_function, (_kernel_side.MARKER + self._name,))
+        return (rankside.student, (MARKER + self._name,))
 
     def __repr__(self):
         return f"<the student's {self._name}>"
 
 
 class GradingTrace:
-    """What `world.tracing()` returns during grading: the records of the calls made inside."""
+    """What `world.tracing()` returns during grading: the records of the calls made inside
+    (records written by the ranks: hints for messages, never evidence for a point)."""
 
     def __new__(cls, *args, **kwargs):
         from labkit.runtime.trace import Trace
@@ -132,11 +125,12 @@ class GradingTrace:
 
 
 class GradingWorld:
-    """`labkit.world(P)` inside a test cell."""
+    """`labkit.world(P)` inside a test cell (see the module docstring)."""
 
     def __init__(self, session, size, backend="auto", timeout=30.0, teaching=True):
         self._session, self.size, self.backend = session, int(size), "gloo"
-        self._kwargs = {"backend": "gloo", "timeout": timeout, "teaching": teaching}
+        self._kwargs = {"backend": "gloo", "timeout": float(timeout), "teaching": bool(teaching)}
+        self.teaching, self.timeout = bool(teaching), float(timeout)
         self._traces: list = []
         self.alive = True
 
@@ -147,8 +141,16 @@ class GradingWorld:
         return self._dispatch("call", fn, tuple(args), dict(kwargs or {}),
                               {"ranks": ranks, "timeout": timeout})
 
+    def run_each(self, fn, shares, *args, timeout=None, **kwargs):
+        return self._dispatch("run_each", fn, args, kwargs, {"timeout": timeout},
+                              shares=list(shares))
+
     def tracing(self):
         return GradingTrace(self)
+
+    def traffic(self):
+        """Counted on the sandbox's ranks, where calls of student code run."""
+        return self._sandbox().traffic()
 
     def close(self):
         pass
@@ -156,31 +158,41 @@ class GradingWorld:
     def inject_fault(self, *args, **kwargs):
         raise GradingError("world.inject_fault is not available in graded test cells")
 
-    def _dispatch(self, method, fn, args, kwargs, options):
-        payload = cloudpickle.dumps((method, fn, args, kwargs, options))
+    def _sandbox(self):
+        return self._session.sandbox_world(self.size, self._kwargs["teaching"],
+                                           self._kwargs["timeout"])
+
+    def _dispatch(self, method, fn, args, kwargs, options, shares=None):
+        payload = cloudpickle.dumps((fn, args, kwargs, shares))
         names = sorted({m.decode() for m in _MARKER_RE.findall(payload)})
         if not names:                                 # trusted code only: trusted ranks
-            return self._trusted(method, fn, args, kwargs, options)
-        timeout = options.get("timeout") or self._kwargs["timeout"]
-        code = (f"__labkit_grading__.world_call({self.size}, {self._kwargs!r}, "
-                f"{base64.b64encode(payload).decode()!r}, {names!r}, {bool(self._traces)!r})")
-        value = self._session.remote(code, what=f"world.{method}({', '.join(names)})",
-                                     timeout=float(timeout) + 30.0)
-        for trace in self._traces:
-            trace.records += list(value.get("records") or [])
-        return value["results"]
-
-    def _trusted(self, method, fn, args, kwargs, options):
-        from labkit.runtime import launcher
-        world = launcher.world(self.size, **self._kwargs)
+            from labkit.runtime import launcher
+            world = launcher.world(self.size, **self._kwargs)
+        else:
+            world = self._sandbox()
+            self._session.install(world, names)
+        timeout = options.get("timeout")
         with contextlib.ExitStack() as stack:
-            inner = [stack.enter_context(world.tracing()) for _ in self._traces[:1]]
-            if method == "run":
-                value = world.run(fn, *args, ranks=options.get("ranks"), **kwargs)
-            else:
-                value = world.call(fn, args=args, kwargs=kwargs, ranks=options.get("ranks"),
-                                   timeout=options.get("timeout"))
+            inner = [stack.enter_context(world.tracing())
+                     for _ in self._traces[:1]] if not names else []
+            try:
+                if method == "run_each":
+                    value = world.run_each(fn, shares, *args, timeout=timeout, **kwargs)
+                elif method == "run":
+                    value = world.run(fn, *args, ranks=options.get("ranks"), **kwargs)
+                else:
+                    value = world.call(fn, args=args, kwargs=kwargs, ranks=options.get("ranks"),
+                                       timeout=timeout)
+            except BaseException as error:
+                if names:
+                    self._session.note_failure(error, f"world.{method}({', '.join(names)})")
+                raise
+            finally:
+                if names:
+                    self._session.student_output(world)
         for trace in self._traces:
+            if names:
+                trace.records += [r for recs in world.last_records.values() for r in recs]
             for recorded in inner:
                 trace.records += list(recorded.records)
         return value
@@ -248,14 +260,13 @@ class TrustedRunner:
     def _bind_task_names(self, source: str):
         used = {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
         wanted = [n for n in self.task_names if n in used]
-        kinds = self.session.probe(wanted) if wanted else {}
+        exported = self.session.exported() if wanted else {}
         for name in wanted:
-            kind = kinds.get(name, "missing")
-            if kind == "callable":
-                self.ns[name] = StudentProxy(self.session, name)
-            elif kind == "value":
-                self.ns[name] = self.session.remote(f"__labkit_grading__.fetch({name!r})",
-                                                    what=name)
+            entry = exported.get(name, {"kind": "missing"})
+            if entry["kind"] in ("callable", "unsendable"):
+                self.ns[name] = StudentProxy(self.session, name)   # unsendable: said when used
+            elif entry["kind"] == "value":
+                self.ns[name] = entry["value"]
             else:
                 self.ns.pop(name, None)      # NameError in the test, as in a fresh kernel
 
@@ -290,7 +301,7 @@ def render_error(error: BaseException, source: str, filename: str, hidden: set[i
     lines = source.splitlines()
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == filename]
     in_hidden = any(f.lineno in hidden for f in frames)
-    student = ""
+    student = getattr(error, "student_traceback", "") or ""
     if isinstance(error, StudentCodeError):
         kind = error.info.get("type", "Error")
         student = error.info.get("traceback", "")

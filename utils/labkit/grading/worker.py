@@ -45,14 +45,20 @@ class Session:
         self._cell_file = None
         self._hidden: set = set()
         self._cell_out: list[str] = []
+        self._exported = None            # the student's task objects, as the kernel handed them
+        self.task_names: list = []
+        self._worlds: dict = {}          # size -> SandboxWorld (graded calls run there)
+        self._zygote = None              # the sandbox's rank starter (torch imported once)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def _new_box(self):
+        self._close_worlds()
+        self._exported = None
         if self.box is not None:
             self.box.close()
-        self.box = Sandbox(self.job["run_dir"], self.job["slot"], self.limits,
+        self.box = Sandbox(self.job["run_dir"], None, self.limits,   # a slot of its own
                            name=self.job["student"][:16])
         self.box.start(seed_dir=self.seed_dir)
         self.box.execute(HELPER, timeout=60)
@@ -123,11 +129,113 @@ class Session:
                 return frame.lineno not in self._hidden
         return not self._hidden
 
-    def probe(self, names):
-        return self.remote(f"__labkit_grading__.probe({list(names)!r})", what="probe",
-                           raw=True)
+    # ---- the student's objects, on ranks this process starts ---------------------------------
+    def exported(self) -> dict:
+        """{name: {"kind": "callable" | "value" | "missing" | "unsendable", ...}} for the lab's
+        task names, as the student's kernel handed them over (callables as bytes, unopened)."""
+        if self._exported is None:
+            self._exported = self.remote(f"__labkit_grading__.export({self.task_names!r})",
+                                         what="export", raw=True)
+        return self._exported
 
-    def remote(self, code: str, what: str, timeout: float | None = None, raw: bool = False):
+    def _blobs(self, names) -> dict:
+        from labkit.errors import PicklingError
+        exported, blobs = self.exported(), {}
+        for name in names:
+            entry = exported.get(name, {"kind": "missing"})
+            if entry.get("kind") == "missing":
+                raise NameError(f"name {name!r} is not defined (the task asks you to define it)")
+            if entry.get("kind") == "unsendable":
+                raise PicklingError(f"{name} cannot be sent to the ranks: {entry.get('why')}. "
+                                    "Ranks are separate processes: your function may use only "
+                                    "what it imports or what is defined in the notebook as plain "
+                                    "code (not open files, worlds or locks).")
+            if entry.get("kind") == "callable" and isinstance(entry.get("blob"), bytes):
+                blobs[name] = entry["blob"]
+        return blobs
+
+    def install(self, world, names):
+        """Load the student's objects `names` on every rank of `world` (before each call: a world
+        that was restarted has lost them)."""
+        from labkit.grading import rankside
+        blobs = self._blobs(names)
+        if blobs:
+            world.run(rankside.install, blobs)
+
+    def sandbox_world(self, size: int, teaching: bool = True, timeout: float = 60.0):
+        """The sandbox's world of `size` ranks (kept for later calls; at most two sizes live)."""
+        from labkit.grading.ranks import SandboxWorld
+        if self.box is None or not self.box.alive:
+            self._restart()
+            if self.box is None:
+                raise StudentCrashed("the student's kernel is gone (too many restarts or out of "
+                                     "time)")
+        key = (int(size), bool(teaching))
+        world = self._worlds.pop(key, None)
+        if world is None or world._closed or world.timeout != timeout:
+            if world is not None:
+                world.close()
+            while len(self._worlds) >= 2:
+                self._worlds.pop(next(iter(self._worlds))).close()
+            world = SandboxWorld(int(size), self.box, timeout=timeout, teaching=teaching,
+                                 zygote=self._rank_starter())
+        self._worlds[key] = world              # most recently used last
+        return world
+
+    def call_student(self, name: str, args: list, kwargs: dict):
+        """A direct call of a task function from a test cell, on a sandbox rank of its own."""
+        from labkit.errors import RankError
+        from labkit.grading import rankside
+        from labkit.grading.trusted import rebuild
+        world = self.sandbox_world(1, teaching=False, timeout=self.cell_timeout)
+        self.install(world, [name])
+        try:
+            return world.run(rankside.call_named, name, args, kwargs)[0]
+        except RankError as error:
+            raise rebuild(error) from None
+        except BaseException as error:
+            self.note_failure(error, f"{name}()")
+            raise
+        finally:
+            self.student_output(world)
+
+    def note_failure(self, error, what: str):
+        """A graded call that hung or lost a rank goes into the submission's problems."""
+        from labkit.errors import CallTimeout, RankDied
+        if isinstance(error, CallTimeout):
+            self.events.append(f"timeout in {what}")
+        elif isinstance(error, RankDied):
+            self.events.append(f"a rank died in {what} ({error})"[:200])
+
+    def student_output(self, world):
+        """What the ranks printed in the last call, shown when the call came from a visible
+        line of the test cell (a hidden test's inputs must not be printed back)."""
+        if not self._caller_visible():
+            return
+        for rank, lines in sorted(world.last_output.items()):
+            text = "".join(f"[rank {rank}] {line}\n" for _, line in lines)
+            if text:
+                self._cell_out.append(text)
+
+    def _rank_starter(self):
+        """The box's rank starter, started on first use (None without the namespace sandbox: then
+        each rank is a process of its own)."""
+        from labkit.grading.ranks import Zygote
+        if self._zygote is None and self.box.isolated:
+            self._zygote = Zygote(self.box, self.box.private_dir())
+        return self._zygote
+
+    def _close_worlds(self):
+        for world in self._worlds.values():
+            world.close()
+        self._worlds = {}
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def remote(self, code: str, what: str, timeout: float | None = None, raw: bool = True):
+        """Run a line of the grader's helper in the student's kernel; its plain-data reply (a
+        dict), read with weights_only=True."""
         if self.box is None or not self.box.alive:
             self._restart()
             if self.box is None:
@@ -158,16 +266,10 @@ class Session:
         except Exception as error:  # noqa: BLE001 (anything unreadable is the student's)
             raise StudentCodeError({"type": "UnreadableResult",
                                     "message": f"{what}: {type(error).__name__}"}) from None
-        if raw:
-            return value if isinstance(value, dict) else {}
-        if not isinstance(value, dict) or not ("value" in value or "error" in value):
-            raise StudentCodeError({"type": "UnreadableResult", "message": what})
-        if "error" in value:
-            from labkit.grading.trusted import rebuild_error
-            raise rebuild_error(value["error"] if isinstance(value["error"], dict) else {})
-        return value["value"]
+        return value if isinstance(value, dict) else {}
 
     def close(self):
+        self._close_worlds()
         if self.box is not None:
             self.box.close()
             self.box = None
@@ -190,7 +292,8 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
         session.setup_cells = {i for i, c in enumerate(restored.cells)
                                if nbtools.role(c) == "setup"}
         session.run_cells(kernel_cells)
-        runner = TrustedRunner(session, nbtools.task_names(source_nb))
+        session.task_names = nbtools.task_names(source_nb)
+        runner = TrustedRunner(session, session.task_names)
         source_index = {c.metadata.get("nbgrader", {}).get("grade_id"): i
                         for i, c in enumerate(source_nb.cells)}
         setups = [(i, c) for i, c in enumerate(source_nb.cells) if nbtools.role(c) == "setup"]

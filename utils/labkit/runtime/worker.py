@@ -41,6 +41,7 @@ from labkit.runtime import hooks as _hooks
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 MARKER = "\x1elabkit-done:{}\x1e\n"
+RECORD_HINTS = 2000       # records a grader's rank sends back per call (hints, never evidence)
 
 
 class RankState:
@@ -296,7 +297,7 @@ def _run_task(commands, message):
     kind, task_id, payload, sources = message
     STATE.commands, STATE.task_id = commands, task_id
     if STATE.records:
-        _hooks.start_tracing()
+        _hooks.start_tracing(limit=RECORD_HINTS)
     data = None
     try:
         _register_sources(sources)
@@ -325,10 +326,13 @@ def _run_task(commands, message):
 
 def mark(label):
     """A point at which whoever measures this call (`world.traffic()`) takes a snapshot of the
-    bytes every rank has sent so far; returns once it is taken. Outside a call: does nothing."""
+    bytes every rank has sent so far; returns once it is taken. Asynchronous ops this rank started
+    before the mark are let finish first (so their bytes are all counted, on any machine).
+    Outside a call: does nothing."""
     commands = STATE.commands
     if commands is None:
         return
+    _hooks.finish_in_flight()
     send(commands, {"kind": "mark", "task": STATE.task_id, "label": str(label)})
     while True:
         message = commands.recv()
@@ -352,4 +356,7 @@ def _main_from_fds():
 
 
 if __name__ == "__main__":
-    _main_from_fds()
+    # run as labkit.runtime.worker, not as __main__: labkit.mark and labkit.device find the
+    # rank's state in sys.modules["labkit.runtime.worker"]
+    from labkit.runtime import worker as _worker
+    _worker._main_from_fds()

@@ -1,0 +1,297 @@
+"""Ranks for graded calls: started, fed and measured by the trusted grader, run in the sandbox.
+
+    world = SandboxWorld(4, box)                # box: the submission's running Sandbox
+    world.run_each(program, shares, task_fn)    # the same World API as in a notebook
+    with world.traffic() as traffic: ...        # counted in the sandbox's own network
+
+A `SandboxWorld` is a labkit World whose ranks the grader launches itself (not the student's
+kernel): each rank is a process of the sandbox's PID namespace, in its network (a private
+loopback), as a user of its own, with a private /tmp and /dev/shm, no unix-domain sockets, and the
+sandbox's memory and process limits (grading/_rank_init.py does the entering). The grader writes
+each rank's inputs into its channel and reads back only JSON and plain data
+(`torch.load(weights_only=True)`): it never unpickles what a rank sends. It counts the bytes ranks
+send each other from the operating system's counters of that network namespace
+(labkit.runtime.traffic), so neither the student's kernel nor the ranks can change what is
+counted; the loopback's own counters catch traffic that bypassed the ranks' connections.
+
+Without the namespace sandbox (the grader is not root), ranks are plain child processes of the
+grader, and traffic is counted in the host's network namespace (no `unaccounted`).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from labkit.runtime.launcher import World
+
+_RANK_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_init.py")
+_RANK_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_zygote.py")
+_LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RANK_UID_BASE = 210_000        # rank k of slot s runs as uid RANK_UID_BASE + 64 s + k
+RANK_MEMORY_BYTES = 3 << 30    # per rank without cgroups (RLIMIT_AS); the cgroup bounds the total
+
+
+class _Process:
+    """A rank started with subprocess, looking like a multiprocessing.Process to the World."""
+
+    def __init__(self, popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    def is_alive(self):
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def kill(self):
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    def join(self, timeout=None):
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self):
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+
+class Zygote:
+    """The sandbox's rank starter (grading/_rank_zygote.py): torch imported once, one fork per
+    rank. One per sandbox; it dies with the grader and with its socket."""
+
+    def __init__(self, box, spec_dir, start_timeout=120.0):
+        self.box = box
+        self.exits = {}                  # pid -> wait status of ranks that ended
+        self.sock, child = socket.socketpair()
+        spec = {"sandbox_pid": box.namespace_pid(), "root": box.root,
+                "tmp_bytes": box.limits.tmp_bytes,
+                "rlimits": {"RLIMIT_NOFILE": box.limits.open_files, "RLIMIT_CORE": 0,
+                            "RLIMIT_FSIZE": box.limits.file_bytes,
+                            **({} if box.rank_cgroups else {"RLIMIT_AS": RANK_MEMORY_BYTES})},
+                "cgroups": [os.path.join(p, "cgroup.procs") for p in box.rank_cgroups]}
+        spec_path = os.path.join(spec_dir, "zygote.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(spec_dir, "zygote.log")
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-I", _RANK_ZYGOTE, spec_path, str(child.fileno())],
+                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, close_fds=True,
+                # one thread: after entering a PID namespace a process can start no thread
+                env={"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+                     "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                     "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        child.close()
+        self._buffer = b""
+        self._expect("ready", start_timeout)
+
+    def _lines(self, timeout):
+        """Messages that arrive within `timeout` seconds (exits are filed as they come)."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return []
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise RuntimeError(f"the sandbox's rank starter stopped: {self.log_tail()}")
+        self._buffer += data
+        messages = []
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            message = json.loads(line)
+            if "exit" in message:
+                self.exits[int(message["exit"])] = int(message["status"])
+            else:
+                messages.append(message)
+        return messages
+
+    def _expect(self, key, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"the sandbox's rank starter exited: {self.log_tail()}")
+            for message in self._lines(0.2):
+                if key in message:
+                    return message
+        raise RuntimeError(f"the sandbox's rank starter did not answer: {self.log_tail()}")
+
+    def spawn(self, rank, uid, settings, env, fds) -> int:
+        request = {"rank": rank, "uid": uid, "settings": settings, "env": env}
+        socket.send_fds(self.sock, [json.dumps(request).encode() + b"\n"], fds)
+        return int(self._expect("pid", 60.0)["pid"])
+
+    def exitcode(self, pid, wait=1.0):
+        deadline = time.monotonic() + wait
+        while pid not in self.exits and time.monotonic() < deadline:
+            try:
+                self._lines(0.05)
+            except RuntimeError:
+                break
+        status = self.exits.get(pid)
+        return None if status is None else os.waitstatus_to_exitcode(status)
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self):
+        self.sock.close()
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+
+class _ZygoteProcess:
+    """A rank the zygote forked, looking like a multiprocessing.Process to the World."""
+
+    def __init__(self, zygote, pid):
+        self.zygote, self.pid = zygote, pid
+        self.sentinel = os.pidfd_open(pid)
+        self._code = None
+
+    def _ended(self, timeout=0.0):
+        if self.sentinel is None:
+            return True
+        return bool(select.select([self.sentinel], [], [], timeout)[0])
+
+    def is_alive(self):
+        return not self._ended()
+
+    @property
+    def exitcode(self):
+        if self._code is None and self._ended():
+            self._code = self.zygote.exitcode(self.pid)
+        return self._code
+
+    def kill(self):
+        if not self._ended():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout=None):
+        self._ended(timeout if timeout is not None else None)
+
+    def close(self):
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+
+def rank_uid(slot: int, rank: int) -> int:
+    return RANK_UID_BASE + 64 * int(slot) + int(rank)
+
+
+class SandboxWorld(World):
+    plain = True               # replies are plain data, read with weights_only=True
+    records_always = True      # every reply carries the call's records (hints for messages)
+
+    def __init__(self, size, box, timeout=60.0, teaching=True, zygote=None):
+        self.box = box
+        self.zygote = zygote     # the sandbox's rank starter; without one, a process per rank
+        self._store_port = 20_000 + secrets.randbelow(20_000)   # in the sandbox's own network
+        self._spec_dir = tempfile.mkdtemp(prefix="labkit-ranks-", dir=box.private_dir())
+        super().__init__(size, backend="gloo", timeout=timeout, teaching=teaching)
+
+    def __repr__(self):
+        return f"SandboxWorld(size={self.size}, {'isolated' if self.box.isolated else 'plain'})"
+
+    # ---- starting ranks ------------------------------------------------------------------------
+    def _spawn(self, rank, settings):
+        commands, commands_child = multiprocessing.Pipe(duplex=True)
+        diagnostics, diagnostics_child = multiprocessing.Pipe(duplex=True)
+        out_reader, out_writer = multiprocessing.Pipe(duplex=False)
+        err_reader, err_writer = multiprocessing.Pipe(duplex=False)
+        child_ends = (commands_child, diagnostics_child, out_writer, err_writer)
+        fds = [end.fileno() for end in child_ends]
+        settings = dict(settings, port=self._store_port, store_on_rank_0=True, fds=fds,
+                        die_with_parent=False)   # its parent is _rank_init, which dies with us
+        argv = [sys.executable, "-m", "labkit.runtime.worker", json.dumps(settings)]
+        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+               "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONPATH": _LABKIT_PARENT,
+               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "agg",
+               "NBGRADER_EXECUTION": "autograde", "USER": f"rank{rank}",
+               "TORCH_CPP_LOG_LEVEL": "ERROR",    # c10d's reverse-lookup warnings: noise here
+               "LOGNAME": f"rank{rank}"}
+        if self.box.isolated and self.zygote is not None:
+            pid = self.zygote.spawn(rank, rank_uid(self.box.slot, rank), settings, env, fds)
+            for end in child_ends:
+                end.close()
+            return _ZygoteProcess(self.zygote, pid), commands, diagnostics, out_reader, err_reader
+        if self.box.isolated:
+            uid = rank_uid(self.box.slot, rank)
+            spec = {"sandbox_pid": self.box.namespace_pid(), "root": self.box.root,
+                    "uid": uid, "gid": uid, "tmp_bytes": self.box.limits.tmp_bytes,
+                    "rlimits": {"RLIMIT_NOFILE": self.box.limits.open_files, "RLIMIT_CORE": 0,
+                                "RLIMIT_FSIZE": self.box.limits.file_bytes,
+                                **({} if self.box.rank_cgroups else
+                                   {"RLIMIT_AS": RANK_MEMORY_BYTES})},
+                    "cgroups": [os.path.join(p, "cgroup.procs") for p in self.box.rank_cgroups],
+                    "argv": argv, "env": env, "seccomp": True}
+            spec_path = os.path.join(self._spec_dir, f"rank{rank}.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            command = [sys.executable, "-I", _RANK_INIT, spec_path]
+            popen = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL,
+                                     stdout=out_writer.fileno(), stderr=err_writer.fileno(),
+                                     close_fds=True, env={})
+        else:
+            env["HOME"] = env["TMPDIR"] = self._spec_dir
+            popen = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
+                                     stdout=out_writer.fileno(), stderr=err_writer.fileno(),
+                                     close_fds=True, env=env, cwd=self._spec_dir,
+                                     start_new_session=True)
+        for end in child_ends:
+            end.close()
+        return _Process(popen), commands, diagnostics, out_reader, err_reader
+
+    # ---- measuring ---------------------------------------------------------------------------
+    def rank_pids(self):
+        """{rank: host pid of the rank process} (under isolation, _rank_init's child)."""
+        pids = {}
+        for r in self._ranks:
+            if not r.alive():
+                continue
+            if not self.box.isolated or isinstance(r.process, _ZygoteProcess):
+                pids[r.rank] = r.process.pid
+                continue
+            try:
+                with open(f"/proc/{r.process.pid}/task/{r.process.pid}/children") as f:
+                    children = f.read().split()
+            except OSError:
+                children = []
+            if children:
+                pids[r.rank] = int(children[0])
+        return pids
+
+    def _netns(self):
+        if not self.box.isolated:
+            return {}
+        return {"netns_pid": self.box.namespace_pid(), "private_network": True}
+
+    def close(self):
+        super().close()
+        if self.box.isolated:
+            from labkit.grading.sandbox import _wait_user_gone
+            for rank in range(self.size):
+                _wait_user_gone(rank_uid(self.box.slot, rank), timeout=5.0)
