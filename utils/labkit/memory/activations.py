@@ -60,7 +60,7 @@ class _Group:
 
     def gather_seq(self, x):
         """[s/t, b, h] -> [s, b, h]."""
-        out = torch.empty((x.shape[0] * self.t,) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = torch.empty((x.shape[0] * self.t,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
@@ -236,8 +236,11 @@ def measure_on_rank(case: dict):
     rank = dist.get_rank()
     s, b, h, a = case["s"], case["b"], case["h"], case["a"]
     sp = case.get("sequence_parallel", False)
-    layer = Layer(h, a, t=t, rank=rank, seed=case.get("seed", 0), sequence_parallel=sp, group=group)
-    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    import labkit
+    device = labkit.device()
+    layer = Layer(h, a, t=t, rank=rank, seed=case.get("seed", 0), sequence_parallel=sp,
+                  group=group).to(device)
+    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     if sp:
         x = x[rank * s // t:(rank + 1) * s // t].clone()                  # [s/t, b, h], its own
     torch.manual_seed(2)
@@ -253,10 +256,12 @@ def outputs_agree(case: dict):
     rank = dist.get_rank()
     s, b, h, a = case["s"], case["b"], case["h"], case["a"]
     sp = case.get("sequence_parallel", False)
+    import labkit
+    device = labkit.device()
     kwargs = dict(seed=case.get("seed", 0), dtype=torch.float64)
-    whole = Layer(h, a, **kwargs).eval()
-    mine = Layer(h, a, t=t, rank=rank, sequence_parallel=sp, group=group, **kwargs).eval()
-    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    whole = Layer(h, a, **kwargs).to(device).eval()
+    mine = Layer(h, a, t=t, rank=rank, sequence_parallel=sp, group=group, **kwargs).to(device).eval()
+    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
     expected = whole(x)
     if sp:
         got = mine(x[rank * s // t:(rank + 1) * s // t])

@@ -98,7 +98,8 @@ def run_bench(case):
     """On every rank: ranks 0 .. P-1 run the case; the others return None. Returns the bytes this
     rank keeps by category (after the steps), the weights after each step (history=True, float64),
     and the timeline of one more step: profile="roles" files the tensors by the course's categories
-    (`trainer.roles()`), profile="raw" keeps torch's own labels."""
+    (`trainer.roles()`), profile="raw" keeps torch's own labels. On a GPU also CUDA's own peak
+    statistics of that step (`torch.cuda.max_memory_allocated` and `max_memory_reserved`)."""
     import labkit
     from labkit.memory import measure
     P = case["P"] or dist.get_world_size()
@@ -130,7 +131,12 @@ def run_bench(case):
     if case["profile"]:
         x = batches(dict(case, steps=1), rank, P)[0].to(device=device, dtype=dtype)
         labels = roles if case["profile"] == "roles" else None
+        if device.type == "cuda":                        # CUDA's own count, allocator included
+            torch.cuda.reset_peak_memory_stats(device)
         result["timeline"] = measure.profile(step, x, roles=labels).as_dict()
+        if device.type == "cuda":
+            result["cuda"] = {"max_allocated": torch.cuda.max_memory_allocated(device),
+                              "max_reserved": torch.cuda.max_memory_reserved(device)}
     return result
 
 

@@ -101,7 +101,7 @@ class Timeline:
             ax.axhline(limit / 2**20, color="red", linewidth=1, label="limit")
         ax.set_xlabel("time in the call (ms)")
         ax.set_ylabel("MiB")
-        ax.legend(fontsize="x-small", loc="upper left")
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         if title:
             ax.set_title(title, fontsize="small")
         return ax

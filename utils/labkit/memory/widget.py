@@ -1,7 +1,7 @@
 """The per-rank memory calculator (chapter 3, section 9): ipywidgets controls, a stacked bar.
 
     from labkit.memory import widget
-    widget.calculator()                       # in a notebook: sliders and a live chart
+    widget.calculator()                       # last line of a cell: sliders and a live chart
     widget.plot_ledger(ledger.per_rank_ledger(...), limit_gb=80)   # the same chart, static
 
 Public calculators leave pipelines out; this one asks for the schedule and the microbatches, since
@@ -42,10 +42,11 @@ def plot_ledger(result: dict, limit_gb: float = 80.0, ax=None, title: str = ""):
 
 
 def calculator(limit_gb: float = 80.0):
-    """ipywidgets controls -> per_rank_ledger -> plot_ledger, redrawn on every change."""
+    """ipywidgets controls -> per_rank_ledger -> plot_ledger, redrawn on every change.
+
+    Returns the widget without displaying it: end a cell with `calculator()` to show it once."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
     style = {"description_width": "120px"}
     controls = {
@@ -65,24 +66,30 @@ def calculator(limit_gb: float = 80.0):
     out = w.Output()
 
     def redraw(_=None):
+        # The chart goes into the Output widget as a PNG (append_display_data), not by capturing
+        # plt.show() inside `with out:`, which headless runners track message by message.
+        import io
+
+        from IPython.display import Image
         values = {k: c.value for k, c in controls.items()}
         layers, hidden, heads, vocab = PRESETS[values.pop("preset")]
         limit = values.pop("limit")
-        with out:
-            out.clear_output(wait=True)
-            try:
-                result = ledger.per_rank_ledger(layers, hidden, heads, vocab=vocab, **values)
-            except ValueError as error:
-                print(error)
-                return
-            fig, ax = plt.subplots(figsize=(6, 3.2))
-            plot_ledger(result, limit, ax)
-            items = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in result["transient_items"].items() if v)
-            ax.text(0.98, 0.02, f"transients (GB): {items}", transform=ax.transAxes, ha="right",
-                    fontsize=6, wrap=True)
-            plt.show()
+        out.outputs = ()
+        try:
+            result = ledger.per_rank_ledger(layers, hidden, heads, vocab=vocab, **values)
+        except ValueError as error:
+            out.append_stdout(f"{error}\n")
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        plot_ledger(result, limit, ax)
+        items = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in result["transient_items"].items() if v)
+        ax.text(0.98, 0.02, f"transients (GB): {items}", transform=ax.transAxes, ha="right",
+                fontsize=6, wrap=True)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        out.append_display_data(Image(data=png.getvalue(), format="png"))
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
-    display(w.HBox([w.VBox(list(controls.values())), out]))
-    return controls
+    return w.HBox([w.VBox(list(controls.values())), out])

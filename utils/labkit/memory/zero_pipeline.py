@@ -85,14 +85,15 @@ def train_step(case: dict) -> dict:
     dp = world_size // pp
     stage, dp_rank = divmod(rank, dp)
     group = _dp_group(dp)
+    import labkit
+    device = labkit.device()
     H, L, m = case["hidden"], case["layers"], case["microbatches"]
     blocks = zero.make_blocks(L, H, case["seed"], dp, dp_rank, case["zero_stage"],
-                              dtype=torch.float32, group=group, first_layer=stage * L)
+                              dtype=torch.float32, device=device, group=group, first_layer=stage * L)
     if not case["reshard_after_forward"]:
         for block in blocks:
             block.keep_after_forward()
     trainer = zero.ZeroTrainer(blocks, case["zero_stage"], group=group, lr=1e-3)
-    g = torch.Generator().manual_seed(case["seed"] * 7919 + dp_rank)
     shape = (case["micro_batch"], case["seq"], H)                      # [b, T, H]
     inputs, outputs, works = {}, {}, []
     order = schedule(case["schedule"], pp, stage, m)
@@ -100,9 +101,9 @@ def train_step(case: dict) -> dict:
         if kind == "F":
             if stage == 0:
                 x = torch.randn(shape, generator=torch.Generator().manual_seed(
-                    case["seed"] * 7919 + 31 * dp_rank + i))
+                    case["seed"] * 7919 + 31 * dp_rank + i)).to(device)
             else:
-                x = torch.empty(shape)
+                x = torch.empty(shape, device=device)
                 dist.recv(x, src=rank - dp)
                 x.requires_grad_(True)
             out = trainer.forward(x)
@@ -114,7 +115,7 @@ def train_step(case: dict) -> dict:
             if stage == pp - 1:
                 (out.square().mean() / m).backward()
             else:
-                grad = torch.empty(shape)
+                grad = torch.empty(shape, device=device)
                 dist.recv(grad, src=rank + dp)
                 out.backward(grad)
             x = inputs.pop(i)
@@ -123,7 +124,6 @@ def train_step(case: dict) -> dict:
     for work in works:
         work.wait()
     trainer.step()
-    del g
     return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order]}
 
 
