@@ -560,3 +560,5 @@ def test_terminal_list_and_help(capsys):
     assert all(drill_id in listed for drill_id in numeric.DRILLS)
     assert all(card_id in listed for card_id in cards.CARDS)
     assert terminal.run(parser.parse_args(["-n", "0"])) == 2
+    from labkit.tools.cli import run_module            # what `labkit drill` will call
+    assert run_module(terminal, ["--list"], prog="labkit drill") == 0

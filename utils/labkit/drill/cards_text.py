@@ -94,7 +94,7 @@ TEXTS = [
 
     # ---- the ten self-check questions (seed 004, section 6.2) --------------------------------
     dict(id="self-check-1", kind="self-check", number=1, topic="memory",
-         links=((3, "section 6"), (6, "why ZeRO-1")),
+         links=((3, "section 6"), (6, "section 2, ZeRO-1 with pipelines")),
          prompt="Why does ZeRO stage 3 multiply the communication of a job that also uses "
                 "pipeline parallelism, and why is ZeRO-1 the usual partner of TP + PP?",
          answer="Stage 3 keeps only a shard of each block's weights and all-gathers the block "

@@ -204,7 +204,9 @@ def _activations(p, formula):
                         "(Korthikanti et al.)?",
             "answer": total / 1e6, "unit": "MB",
             "solution": [f"Korthikanti et al.: {shape}.",
-                         f"s b h = {s * b * h:,}; 5 a s / h = {sig(5 * a * s / h)}.",
+                         f"s b h = {s * b * h:,}"
+                         + (f"; 5 a s / h = {sig(5 * a * s / h)}." if mode in ("none", "tp",
+                                                                            "tp+sp") else "."),
                          f"= {bytes_text(total)} per layer, per microbatch in flight."]}
 
 

@@ -181,7 +181,7 @@ class Session:
             return self.skip()
         if command == "hint":
             uses = f"The answer uses {', '.join(question.problem.uses)}." \
-                if question.problem else "Think first: which chapter's measurement shows it?"
+                if question.problem else "Where the course teaches it:"
             return Feedback("info", uses, links=question.links)
         if question.card is not None:
             return self._card_answer(question, str(text or ""))
@@ -245,8 +245,9 @@ class Session:
                      if question.problem else [])
         box_line = f"Box {before} -> {after} (back in {EVERY[after]} session" \
                    f"{'s' if EVERY[after] > 1 else ''})."
+        shown = question.card is not None and status is None     # a graded card: links shown
         return Feedback(status or ("right" if right else "wrong"), message, lines + [box_line],
-                        done=True, links=question.links)
+                        done=True, links=[] if shown else question.links)
 
     def set_topic(self, name) -> Feedback:
         """Switch topic mid-session; an unknown name changes nothing and says what exists."""
