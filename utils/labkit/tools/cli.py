@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "torchrun": ("labkit.runtime.torchrun", "run a module:function on ranks started by torchrun (env://)"),
     "grade": ("labkit.grading.cli", "autograde a folder of submissions of a lab (docs/INSTRUCTORS.md)"),
     "dist": ("labkit.tools.dist", "build the student distribution (no solutions, hidden tests, gradebook)"),
+    "drill": ("labkit.drill.terminal", "the interview drill: the chapters' derivations with fresh "
+              "numbers, seed 004's questions as cards, Leitner boxes"),
     "report": ("labkit.grading.report", "class report of a lab from its gradebook: scores, failures, times (HTML)"),
     "doctor": ("labkit.tools.doctor", "check this machine: Python, torch, gloo/NCCL, memory, grading sandbox"),
 }
