@@ -29,7 +29,18 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from labkit.grading.pipeline import grade
+    import sys
+    from labkit.grading.pipeline import grade, parse_shard
+    if args.shard is not None:
+        try:
+            parse_shard(args.shard)
+            if not (args.db or "").startswith("postgresql") and parse_shard(args.shard)[1] > 1:
+                raise ValueError(f"--shard {args.shard} needs --db postgresql://USER@HOST/DB: "
+                                 "one gradebook that every shard writes into "
+                                 "(docs/CLASS_SCALE.md)")
+        except ValueError as error:
+            print(f"labkit grade: {error}", file=sys.stderr)
+            return 2
     report = grade(args.lab, args.submissions, jobs=args.jobs, out=args.out, course=args.course,
                    db_url=args.db, time_limit=args.time_limit, cell_timeout=args.cell_timeout,
                    limits={"memory_bytes": int(args.memory_gb * (1 << 30))}, shard=args.shard)
