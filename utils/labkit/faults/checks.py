@@ -1,0 +1,218 @@
+"""Lab 9's checkers: the diagnoser (task 1), the spike guard (task 2), the resume validator
+(task 3, in checks_resume.py).
+
+    checks.check_no_alarm(world, diagnose)           # healthy runs with ordinary hiccups
+    checks.check_straggler(world, diagnose)          # one rank sleeps in every step
+    checks.check_missing(world, diagnose)            # one rank never joins a collective
+    checks.check_hot_expert(world, diagnose)         # one expert gets about half the tokens
+    checks.check_guard_clean(world, SpikeGuard)      # a clean stream with hard batches
+    checks.check_guard_spike(world, SpikeGuard)      # one bad batch (or two) in the stream
+
+Task 1: the traces are runs of real ranks with the faults each case draws (traces.record_run:
+the ranks sleep, skip a collective or route their tokens, at the points the case chose); only the
+trace, as plain data, reaches `diagnose`. The clocks of the ranks are skewed by up to a second
+(as on machines of a cluster), so only differences of times within one rank mean anything.
+Task 2: the student's class is built on every rank by the rank program `spikes.guarded_train`;
+the reference is the same loop without a guard on a stream without the bad batches, run on
+ranks where no student code runs; the final weights are compared.
+"""
+from __future__ import annotations
+
+import torch
+
+from labkit import checks as base
+from labkit.faults import spikes, traces
+
+TASK1, TASK2 = "Lab 9, task 1", "Lab 9, task 2"
+KEYS = ("straggler", "missing", "hot_expert")
+CLOCK_SKEW = 1.0
+
+
+def _verdict(diagnose, trace, case, what):
+    """Call the student's diagnose on a trace; check the shape of the answer."""
+    got = diagnose(trace)
+    if not isinstance(got, dict) or sorted(got) != sorted(KEYS):
+        raise AssertionError(f"{what}: diagnose returned {got!r}; expected a dict with exactly "
+                             f"the keys {list(KEYS)} [{case}]")
+    for key in KEYS:
+        value = got[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise AssertionError(f"{what}: diagnose(...)[{key!r}] is {value!r}; expected an int "
+                                 f"or None [{case}]")
+    return got
+
+
+def _expect(got, expected, case, what, hints):
+    for key in KEYS:
+        if got[key] != expected[key]:
+            raise AssertionError(f"{what}: diagnose says {key} = {got[key]!r}, expected "
+                                 f"{expected[key]!r} [{case}]; {hints.get(key, '')}")
+
+
+HINTS = {
+    "straggler": "a straggler is slow in its compute (the time from a step's start to its "
+                 "entering the step's collective), not in its step time: every rank of a "
+                 "synchronous step waits for the slowest, so all step times look alike. Use each "
+                 "rank's median over the steps (one long pause of a healthy rank is not a "
+                 "straggler) and compare ranks with a rule that allows for noise (course, "
+                 "section 3); compare times within a rank only (the clocks are skewed)",
+    "missing": "the rank that never joined is the one that never issued the collective (the same "
+               "seq) that the others entered and never left",
+    "hot_expert": "sum the tokens per expert over the steps; call one expert hot when its load is "
+                  "far above the mean (e.g. twice: labkit.faults.detect.hot_expert), and say None "
+                  "when routing is merely noisy",
+}
+
+
+def _hiccups(case, size, steps, count):
+    """One-off pauses of healthy ranks: (rank, step, seconds)."""
+    return [(case.integer(0, size - 1), case.integer(0, steps - 1),
+             0.15 + 0.05 * case.integer(0, 3)) for _ in range(count)]
+
+
+def check_no_alarm(world, diagnose, steps=12, hiccups=2, experts=0, seed=None):
+    """A healthy run, with `hiccups` one-off pauses of 0.15-0.3 s: no straggler, no missing rank,
+    no hot expert."""
+    case = base.Case(f"{TASK1}: a healthy run of {steps} steps on {world.size} ranks with "
+                     f"{hiccups} hiccups", seed)
+    trace = traces.record_run(world, steps=steps,
+                              hiccups=_hiccups(case, world.size, steps, hiccups), experts=experts, seed=case.integer(0, 10 ** 6),
+                              clock_skew=CLOCK_SKEW)
+    got = _verdict(diagnose, trace, case, "a healthy run")
+    _expect(got, dict.fromkeys(KEYS), case, "a healthy run (nothing is wrong in it)",
+            dict(HINTS, straggler="this run has no straggler, only a few one-off pauses: the "
+                 "slowest rank of a healthy run is not a straggler. " + HINTS["straggler"]))
+    return got
+
+
+def check_straggler(world, diagnose, steps=12, delay=0.2, hiccups=1, seed=None):
+    """One rank sleeps `delay` s in every step from a step the case draws (in the first third);
+    a few hiccups elsewhere. Expected: that rank, nothing else."""
+    case = base.Case(f"{TASK1}: a straggler among {world.size} ranks", seed)
+    slow, start = case.integer(0, world.size - 1), case.integer(0, steps // 3)
+    trace = traces.record_run(world, steps=steps, straggler=slow, delay=delay, delay_from=start,
+                              hiccups=_hiccups(case, world.size, steps, hiccups),
+                              seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
+    got = _verdict(diagnose, trace, case, f"a run where rank {slow} is slow")
+    _expect(got, {"straggler": slow, "missing": None, "hot_expert": None}, case,
+            f"rank {slow} sleeps {delay} s before its collective in steps {start}..{steps - 1}",
+            HINTS)
+    return got
+
+
+def check_missing(world, diagnose, steps=10, timeout=3.0, seed=None):
+    """One rank stops before the collective of a step the case draws; the others wait in it and
+    give up after `timeout` s. Expected: that rank is missing, nobody is a straggler."""
+    case = base.Case(f"{TASK1}: a rank that never joins a collective, {world.size} ranks", seed)
+    rank, step = case.integer(0, world.size - 1), case.integer(steps // 2, steps - 1)
+    trace = traces.record_run(world, steps=steps, skip=(rank, step), timeout=timeout,
+                              seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
+    got = _verdict(diagnose, trace, case, f"a run where rank {rank} skips step {step}'s "
+                                          "collective")
+    _expect(got, {"straggler": None, "missing": rank, "hot_expert": None}, case,
+            f"rank {rank} never joins step {step}'s all-reduce (the others time out in it)",
+            dict(HINTS, straggler="the ranks that waited in the last collective and the rank that "
+                 "never came are not stragglers: leave out steps that did not finish. "
+                 + HINTS["straggler"]))
+    return got
+
+
+def check_hot_expert(world, diagnose, steps=4, experts=8, seed=None):
+    """About 40-60% of every rank's tokens go to one expert the case draws (top-1 routing over
+    `experts`). Expected: that expert, nothing else."""
+    case = base.Case(f"{TASK1}: a hot expert among {experts}, {world.size} ranks", seed)
+    hot, share = case.integer(0, experts - 1), 0.4 + 0.05 * case.integer(0, 4)
+    trace = traces.record_run(world, steps=steps, experts=experts, hot_expert=hot, share=share,
+                              seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
+    got = _verdict(diagnose, trace, case, f"a run where expert {hot} gets {share:.0%} of tokens")
+    _expect(got, {"straggler": None, "missing": None, "hot_expert": hot}, case,
+            f"expert {hot} receives about {share:.0%} of the tokens", HINTS)
+    return got
+
+
+# ---- task 2: the spike guard ---------------------------------------------------------------------
+
+GUARD_TOLERANCE = 1e-4     # weights: float noise of the same steps ~1e-6; a wrong stream ~1e-2
+
+
+def _stream_plan(case, steps, bad_count):
+    """Hard batches (text read backwards) every 5-9 ids; `bad_count` bad ids after the first 15
+    steps, not adjacent."""
+    hard, i = [], case.integer(3, 8)
+    while i < steps + 10:
+        hard.append(i)
+        i += case.integer(5, 9)
+    bad = []
+    while len(bad) < bad_count:
+        b = case.integer(15, steps - 8)
+        if all(abs(b - other) > 4 for other in bad):
+            bad.append(b)
+    hard = [h for h in hard if h not in bad]
+    return {"hard": hard, "bad": sorted(bad)}
+
+
+def _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout):
+    config = {"steps": steps, "seed": case.integer(0, 10 ** 6), "plan": plan}
+    reference = world.call(spikes.guarded_train, args=(dict(config, removed=plan["bad"]), None),
+                           timeout=timeout)
+    got = world.call(spikes.guarded_train, args=(config, SpikeGuard,
+                                                 {"snapshot_every": snapshot_every}),
+                     timeout=timeout)
+    base.one_result_per_rank(got, world.size, case, "training with your SpikeGuard")
+    return reference, got
+
+
+def _compare_weights(got, reference, case, what, hint):
+    for rank, (mine, ref) in enumerate(zip(got, reference)):
+        gap = float((mine["weights"] - ref["weights"]).abs().max())
+        if not torch.isfinite(mine["weights"]).all() or gap > GUARD_TOLERANCE:
+            raise AssertionError(f"{what}: rank {rank}'s final weights differ from the reference "
+                                 f"by up to {gap:.2e} (tolerance {GUARD_TOLERANCE:g}) [{case}]; "
+                                 f"{hint}")
+
+
+def check_guard_clean(world, SpikeGuard, steps=40, snapshot_every=5, timeout=120, seed=None):
+    """A stream of clean batches, with hard ones every 5-9 steps (text read backwards: the
+    gradient norm up to ~2x the mean of the recent steps): the guard must never fire, and
+    training must equal training without a guard."""
+    case = base.Case(f"{TASK2}: a clean stream of {steps} steps on {world.size} ranks", seed)
+    plan = _stream_plan(case, steps, 0)
+    reference, got = _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout)
+    for rank, result in enumerate(got):
+        if result["rollbacks"] or result["quarantined"]:
+            raise AssertionError(
+                f"rank {rank}: on a clean stream your guard rolled back {result['rollbacks']} "
+                f"and quarantined batches {result['quarantined']} (hard batches at ids "
+                f"{plan['hard']}) [{case}]; hard batches raise the gradient norm up to ~2x the "
+                "mean of the recent accepted steps: a threshold that fires there fires on "
+                "ordinary noise")
+    _compare_weights(got, reference, case, "a clean stream", "with no rollback, after_step must "
+                     "change nothing: did it alter the model or the optimizer?")
+    return got
+
+
+def check_guard_spike(world, SpikeGuard, steps=40, bad=1, snapshot_every=5, timeout=120,
+                      seed=None):
+    """`bad` batches of extreme tokens in the stream (gradient norm tens of times the recent
+    mean): each must be quarantined, and the final weights must equal training on the stream
+    without them (the rollback undid every update they caused)."""
+    case = base.Case(f"{TASK2}: {bad} bad batch(es) in {steps} steps on {world.size} ranks, "
+                     f"a snapshot every {snapshot_every} steps", seed)
+    plan = _stream_plan(case, steps, bad)
+    reference, got = _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout)
+    for rank, result in enumerate(got):
+        if result["quarantined"] != plan["bad"]:
+            raise AssertionError(
+                f"rank {rank}: your guard quarantined {result['quarantined']}, the bad batches "
+                f"were {plan['bad']} [{case}]; a bad batch sends the gradient norm more than 8x "
+                "above the mean of the recent accepted steps: quarantine exactly it")
+        if len(result["rollbacks"]) < bad:
+            raise AssertionError(f"rank {rank}: {len(result['rollbacks'])} rollback(s) for {bad} "
+                                 f"bad batch(es) [{case}]; the update of a bad batch is already "
+                                 "applied when after_step sees it: return the step to go back to")
+    _compare_weights(got, reference, case, "after the spike",
+                     "a rollback must restore the model and the optimizer (AdamW's moments and "
+                     "step count too) exactly as they were before the bad step, from a snapshot "
+                     "taken after a step that passed the check, and training must go on from "
+                     "the step the snapshot follows")
+    return got
