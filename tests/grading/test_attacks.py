@@ -135,27 +135,28 @@ def _sha(path):
 def _sandbox_pids(run=None):
     """Processes of sandbox users (kernels and ranks) left by the run whose sandbox folder is
     `run` (other grading runs may be going on at the same time on this machine)."""
-    uids = []
+    from labkit.grading.ranks import slot_uids
+    uids = set()
     for slot in range(8):
         try:
-            uids.append(pwd.getpwnam(f"labkit-grade{slot}").pw_uid)
+            uids.add(pwd.getpwnam(f"labkit-grade{slot}").pw_uid)
         except KeyError:
             pass
-    from labkit.grading.ranks import rank_uid
-    from labkit.grading.sandbox import user_processes
-    uids += [rank_uid(slot, rank) for slot in range(8) for rank in range(8)]
-    pids = [pid for uid in uids for pid in user_processes(uid)]
-    if run is None:
-        return pids
-    ours = []
-    for pid in pids:
+        uids.update(slot_uids(slot))
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if run.encode() in f.read():
-                    ours.append(pid)
+            if os.stat(f"/proc/{entry}").st_uid not in uids:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
         except OSError:
-            pass
-    return ours
+            continue
+        if run is None or run.encode() in cmdline:
+            pids.append(int(entry))
+    return pids
 
 
 EXPECTED = {}

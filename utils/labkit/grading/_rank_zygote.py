@@ -94,6 +94,7 @@ def main():
         rank_init._setns(spec["sandbox_pid"], kind)
     rank_init._check(rank_init._libc.unshare(rank_init.CLONE_NEWIPC), "unshare ipc")
     import torch  # noqa: F401  (the point of this process: imported once, before any fork)
+    import torch._dynamo  # noqa: F401  (an optimizer's first step would import it in each rank)
     import torch.distributed  # noqa: F401
     from labkit.runtime import worker  # noqa: F401
     signal.signal(signal.SIGCHLD, lambda *_: None)       # wake select() when a rank ends

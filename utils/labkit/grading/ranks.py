@@ -36,7 +36,8 @@ from labkit.runtime.launcher import World
 _RANK_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_init.py")
 _RANK_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_zygote.py")
 _LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK_UID_BASE = 210_000        # rank k of slot s runs as uid RANK_UID_BASE + 64 s + k
+RANK_UID_BASE = 210_000        # a slot's ranks run as uids RANK_UID_BASE + UIDS_PER_SLOT * slot + i
+UIDS_PER_SLOT = 256            # ... i counting up over the slot's worlds (each rank its own uid)
 RANK_MEMORY_BYTES = 3 << 30    # per rank without cgroups (RLIMIT_AS); the cgroup bounds the total
 
 
@@ -198,8 +199,15 @@ class _ZygoteProcess:
             self.sentinel = None
 
 
-def rank_uid(slot: int, rank: int) -> int:
-    return RANK_UID_BASE + 64 * int(slot) + int(rank)
+def rank_uid(slot: int, index: int) -> int:
+    """The uid of the `index`-th rank a slot's sandbox starts (modulo UIDS_PER_SLOT): every live
+    rank has a uid of its own, so closing one world never touches another's ranks."""
+    return RANK_UID_BASE + UIDS_PER_SLOT * int(slot) + int(index) % UIDS_PER_SLOT
+
+
+def slot_uids(slot: int) -> range:
+    start = RANK_UID_BASE + UIDS_PER_SLOT * int(slot)
+    return range(start, start + UIDS_PER_SLOT)
 
 
 class SandboxWorld(World):
@@ -208,6 +216,9 @@ class SandboxWorld(World):
 
     def __init__(self, size, box, timeout=60.0, teaching=True, zygote=None):
         self.box = box
+        first = box.ranks_started                       # uids of this world: its own block
+        box.ranks_started = first + size
+        self._uids = [rank_uid(box.slot, first + rank) for rank in range(size)]
         self.zygote = zygote     # the sandbox's rank starter; without one, a process per rank
         self._store_port = 20_000 + secrets.randbelow(20_000)   # in the sandbox's own network
         self._spec_dir = tempfile.mkdtemp(prefix="labkit-ranks-", dir=box.private_dir())
@@ -234,12 +245,12 @@ class SandboxWorld(World):
                "TORCH_CPP_LOG_LEVEL": "ERROR",    # c10d's reverse-lookup warnings: noise here
                "LOGNAME": f"rank{rank}"}
         if self.box.isolated and self.zygote is not None:
-            pid = self.zygote.spawn(rank, rank_uid(self.box.slot, rank), settings, env, fds)
+            pid = self.zygote.spawn(rank, self._uids[rank], settings, env, fds)
             for end in child_ends:
                 end.close()
             return _ZygoteProcess(self.zygote, pid), commands, diagnostics, out_reader, err_reader
         if self.box.isolated:
-            uid = rank_uid(self.box.slot, rank)
+            uid = self._uids[rank]
             spec = {"sandbox_pid": self.box.namespace_pid(), "root": self.box.root,
                     "uid": uid, "gid": uid, "tmp_bytes": self.box.limits.tmp_bytes,
                     "rlimits": {"RLIMIT_NOFILE": self.box.limits.open_files, "RLIMIT_CORE": 0,
@@ -293,5 +304,5 @@ class SandboxWorld(World):
         super().close()
         if self.box.isolated:
             from labkit.grading.sandbox import _wait_user_gone
-            for rank in range(self.size):
-                _wait_user_gone(rank_uid(self.box.slot, rank), timeout=5.0)
+            for uid in self._uids:
+                _wait_user_gone(uid, timeout=5.0)

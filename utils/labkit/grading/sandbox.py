@@ -165,6 +165,7 @@ class Sandbox:
         self.log_path = None
         self.root = None
         self._namespace_pid = None
+        self.ranks_started = 0           # ranks the grader started here (their uids: ranks.py)
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, seed_dir: str | None = None):
