@@ -3,8 +3,6 @@ layout, interval), and lab 8's checkers on real ranks: the reference answers pas
 answer the issue names fails in the check of the task it belongs to."""
 import math
 import os
-import random
-import tempfile
 from pathlib import Path
 
 import pytest

@@ -38,8 +38,8 @@ CONFIG = {"seed": 0, "vocab": "abcdefghijklmnopqrstuvwxyz .,", "hidden": 32, "se
           "batch": 12, "documents": 30, "lr": 3e-3, "warmup": 3, "total_steps": 60,
           "weight_decay": 0.01, "dropout": 0.1, "init_scale": 2.0 ** 10, "growth_interval": 2,
           "optimizer": "adamw"}
-WORDS = ("the model saves its state to disk and loads it back after a crash while the "
-         "optimizer keeps two moments per weight and the data cursor remembers where it was").split()
+WORDS = ("the model saves its state to disk and loads it back after a crash while the optimizer "
+         "keeps two moments per weight and the data cursor remembers where it was").split()
 
 
 def stable_hash(obj) -> str:

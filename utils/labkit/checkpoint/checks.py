@@ -151,7 +151,8 @@ def _commit_verify_program(share, commit_part, verify_part, load_latest):
         before = _listing(folder)
         out["bad_ids"] = {}
         for bad in share["bad_ids"]:
-            out["bad_ids"][repr(bad)] = _error_of(lambda: commit_part(folder, bad, share["shards"][1], {}))
+            out["bad_ids"][repr(bad)] = _error_of(
+                lambda: commit_part(folder, bad, share["shards"][1], {}))
         out["bad_ids_left_alone"] = _listing(folder) == before
         out["again"] = _error_of(lambda: commit_part(folder, s1, share["shards"][1], {"again": 1}))
         out["again_left_alone"] = _listing(folder) == before
@@ -259,7 +260,8 @@ def _clean_commit_program(share, commit_part):
 def _trials_program(share, commit_part, load_latest):
     import torch.distributed as dist
     victims, folder, records = crash.shared(HELPER), share["folder"], []
-    for sid, shards, meta, plan in zip(share["ids"], share["shards"], share["meta"], share["plans"]):
+    for sid, shards, meta, plan in zip(share["ids"], share["shards"], share["meta"],
+                                       share["plans"]):
         out = victims.run(_guarded, commit_part, folder, sid, shards, meta,
                           plan=dict(plan, timeout=60))
         dist.barrier()

@@ -1,4 +1,4 @@
-"""A strict resume of the chapter 8 bench (replicated trainer): capture everything, restore all of it.
+"""A strict resume of chapter 8's bench (replicated trainer): capture all of it, restore all of it.
 
     state = capture(trainer)                 # plain data: tensors, numbers, strings, lists, dicts
     blob = to_bytes(state)                   # what a rank writes as its shard

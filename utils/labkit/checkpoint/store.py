@@ -1,4 +1,4 @@
-"""Publishing a sharded snapshot so that no crash leaves a torn one that gets loaded (chapter 8, s. 1-2).
+"""Publishing a sharded snapshot so that no crash leaves a torn one to be loaded (ch. 8, s. 1-2).
 
 The protocol, in the order the calls happen in a distributed save:
 
