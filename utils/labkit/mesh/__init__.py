@@ -4,8 +4,9 @@
     from labkit import mesh
     mesh.check_world_size(8, dp=2, tp=2, pp=3)         # "world size (8) != dp (2) x tp (2) x pp (3) ..."
     mesh.axis_groups(dp=2, pp=2, tp=2)                  # {"dp": [[0, 4], ...], "tp": [[0, 1], ...], ...}
-    stage = mesh.Stage(mesh.make_model(seed=0), pp_rank, pp)    # on a rank: this stage's layers ...
-    mesh.tensor_parallel(stage, device_mesh["tp"])              # ... split over the tp axis
+    dims_mesh = mesh.device_mesh((dp, pp, tp))                  # on a rank: torch's DeviceMesh, once
+    stage = mesh.Stage(mesh.make_model(seed=0), pp_rank, pp)    # this stage's layers ...
+    mesh.tensor_parallel(stage, dims_mesh["tp"])                # ... split over the tp axis
     optimizer = mesh.Zero1(stage.parameters(), dp_group)        # ZeRO-1 over the dp axis
     mesh.cost.predict(model, cluster, config, global_batch)     # a configuration's step and memory
 
@@ -27,9 +28,10 @@ from labkit.mesh.figures import CLUSTERS, DGX_A100, DGX_H100, Cluster, Model  # 
 from labkit.mesh.layout import (AXES, axis_groups, check_world_size, coordinates,  # noqa: F401
                                 crosses_nodes, divisors, inside_node, my_groups, node_of,
                                 nodes_spanned, rank_of, world_size)
-from labkit.mesh.model import (Stage, batches, full_weights, is_replicated, local,  # noqa: F401
-                               local_shard, local_weights, make_model, reference_training,
-                               split_dim, stage_names, tensor_parallel, tp_plan)
+from labkit.mesh.model import (Stage, batches, device_mesh, full_weights,  # noqa: F401
+                               is_replicated, local, local_shard, local_weights, make_model,
+                               reference_training, split_dim, stage_names, tensor_parallel,
+                               tp_plan)
 
 
 def __getattr__(name):

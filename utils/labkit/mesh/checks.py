@@ -167,7 +167,8 @@ def random_layouts(case, count=6, max_size=48):
 
 
 def _train_program(share, fn, dims, seed, optimizer, tied):
-    return fn(share, dims, seed, optimizer=optimizer, tied=tied)
+    from labkit.mesh.model import device_mesh
+    return fn(share, device_mesh(dims), seed, optimizer=optimizer, tied=tied)
 
 
 from labkit.mesh.train_checks import (check_train_3d, check_train_3d_traffic,  # noqa: E402,F401

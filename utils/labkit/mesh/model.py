@@ -132,6 +132,24 @@ class Stage(nn.Module):
         return [(self.model_name(n), p) for n, p in self.named_parameters()]
 
 
+_MESHES = {}
+
+
+def device_mesh(dims):
+    """Rank side: torch's DeviceMesh of shape dims = (dp, pp, tp), axes named ("dp", "pp", "tp"),
+    on this rank's device; made once per shape per world and reused. `init_device_mesh` makes new
+    process groups every time it is called (a collective; each gloo group keeps threads), while
+    DTensor's caches keep using the first mesh of an equal shape: make meshes once, not per step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from labkit import device
+    key = (tuple(dims), id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device().type, tuple(dims),
+                                        mesh_dim_names=("dp", "pp", "tp"))
+    return _MESHES[key]
+
+
 def tp_plan() -> dict:
     """torch's tensor-parallel plan for one `tensor_parallel.Block`, keyed by submodule (chapter
     4, section 6): q, k, v and fc1 split by output features (Shard(0): Megatron's column cut,

@@ -10,13 +10,14 @@ its share of the result: the tp shard (`model.local_shard`) or the whole replica
 
 The bytes between every pair of ranks are counted outside the ranks and summed by how the two
 ranks relate: same tp group, same pp group, same dp group, or none (nothing may flow there).
-Each sum must carry at least what the algorithm must move (chapter 4's tensor-parallel all-reduces,
-chapter 5's activations and gradients, ZeRO-1's reduce-scatter and all-gather of the stage's local
-parameters, the tied embedding's all-reduce) and not much more: the allowance is the one-time
-scatter of the tp shards when the stage is split, gloo's framing (~0.6 KB per all-reduce of two
-ranks, measured), 10%, and 16 KB per rank for creating process groups, which talks to the
-rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank). ZeRO-1 moves the bytes plain data parallelism moves (ZeRO paper,
-section 7): traffic cannot tell them apart and does not try.
+Each sum must carry nearly (90% of) what the algorithm must move (chapter 4's tensor-parallel
+all-reduces, chapter 5's activations and gradients, ZeRO-1's reduce-scatter and all-gather of the
+stage's local parameters, the tied embedding's all-reduce) and not much more: the allowance is the
+one-time scatter of the tp shards when the stage is split, gloo's framing (~0.6 KB per all-reduce
+of two ranks, measured), 10%, and 16 KB per rank for creating process groups, which talks to the
+rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank).
+ZeRO-1 moves the bytes plain data parallelism moves (ZeRO paper, section 7): traffic cannot tell
+them apart and does not try.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ RTOL, ATOL = 1e-6, 1e-8        # float64: a correct step agrees to ~1e-10 after 
 ITEM = 8                       # float64 on the wire
 FRAMING = 1024                 # bytes allowed per collective or message, both ways together
 STORE = 16 * 1024              # bytes per rank allowed for talking to the rendezvous store
+LOW = 0.9                      # a relation must carry at least this share of its payload: the
+                               # counters, read on a loaded machine while connections open, have
+                               # been seen to file one message under the wrong pair
 
 
 def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="adamw") -> dict:
@@ -102,8 +106,10 @@ def _diagnose(results, run, reference, initial) -> str:
 
 def check_train_3d(world, fn, dims, steps=2, m=4, optimizer="adamw", tied=False, ragged=True,
                    timeout=180, case=None) -> list:
-    """fn(batch, dims, seed, optimizer=..., tied=...) on every rank leaves every rank's tensors
-    equal to one process training the whole global batch for `steps` steps. Returns the results."""
+    """fn(batch, device_mesh, seed, optimizer=..., tied=...) on every rank (device_mesh: torch's
+    DeviceMesh of shape dims, made once per shape by `model.device_mesh`) leaves every rank's
+    tensors equal to one process training the whole global batch for `steps` steps. Returns the
+    results."""
     case = case or checks.Case(f"lab 6, task 2: train_3d at dims {tuple(dims)}")
     run = train_case(case, dims, steps, m, ragged, tied, optimizer)
     results, _ = _run(world, fn, run, timeout, case)
@@ -202,9 +208,9 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
     for relation, (payload, allowance) in expected_bytes(run).items():
         high = payload * 1.1 + allowance + STORE * world.size
         got = measured[relation]
-        if got < payload:
+        if got < LOW * payload:
             problems.append(f"ranks in the same {relation} group sent {got} bytes in all, at least "
-                            f"{payload:.0f} expected")
+                            f"{LOW * payload:.0f} expected ({payload:.0f} of data)")
         elif got > high:
             what = "ranks that share no group" if relation == "none" else \
                 f"ranks in the same {relation} group"
