@@ -284,12 +284,10 @@ mean_of_replica_means = _variant("task2_train_3d", "train_3d", [(
     "                p.grad.mul_(n_local / counts.item())", "                p.grad.mul_(1 / dp)")])
 
 
-def whole_model_on_every_rank(batch, dims, seed, optimizer="adamw", tied=False):
+def whole_model_on_every_rank(batch, device_mesh, seed, optimizer="adamw", tied=False):
     """Right values, no 3D: every rank trains the whole model on its replica's data and all-reduces
     the whole gradients over its dp group; then returns what its stage and tp shard would hold."""
-    from torch.distributed.device_mesh import init_device_mesh
-    dp, pp, tp = dims
-    device_mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "pp", "tp"))
+    dp, pp, tp = device_mesh.shape
     model = mesh.make_model(seed, tied=tied)
     opt = mesh.model.make_optimizer(model.parameters(), optimizer)
     for s in range(batch["tokens"].shape[0]):
