@@ -112,6 +112,16 @@ def test_verify_names_the_problem_and_load_latest_falls_back(tmp_path, damage):
     assert found["snapshot_id"] == layout.snapshot_id(1) and found["skipped"][0][0] == sid
 
 
+def test_commit_folder_publishes_another_writers_files(tmp_path):
+    sid = layout.snapshot_id(5)
+    (tmp_path / sid / "sub").mkdir(parents=True)
+    (tmp_path / sid / ".metadata").write_bytes(b"meta")
+    (tmp_path / sid / "sub" / "__0_0.distcp").write_bytes(b"data" * 100)
+    store.commit_folder(tmp_path, sid, {"step": 5})
+    found = store.load_latest(tmp_path)
+    assert found["shards"] == {".metadata": b"meta", "sub/__0_0.distcp": b"data" * 100}
+
+
 def test_the_course_store_is_switched_off_in_lab_8(tmp_path):
     with switched_off("Lab 8, task 1"):
         with pytest.raises(CheckpointError, match="Lab 8, task 1"):

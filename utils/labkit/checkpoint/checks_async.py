@@ -126,7 +126,7 @@ def _async_program(share, Checkpointer):
     ck = Checkpointer(storage.write)
     # 1. save returns while its write is held; the copy is of step 1's values
     storage.gates[1] = threading.Event()
-    watchdog = threading.Timer(10, storage.gates[1].set)      # only a save that waits needs it
+    watchdog = threading.Timer(5, storage.gates[1].set)       # only a save that waits needs it
     watchdog.start()
     ck.save(1, state)
     Watched.save_returned()
@@ -141,7 +141,7 @@ def _async_program(share, Checkpointer):
     # 2. a save while a write is in flight waits for it
     Watched.reset(owner)
     storage.gates[2] = threading.Event()
-    watchdog = threading.Timer(10, storage.gates[2].set)
+    watchdog = threading.Timer(5, storage.gates[2].set)
     watchdog.start()
     ck.save(2, state)
     Watched.save_returned()
@@ -200,7 +200,11 @@ def check_async_checkpointer(world, Checkpointer, aspects=ASPECTS, timeout=120, 
     aspects: "copy" (save returns while its write runs; the snapshot holds the values the
     tensors had at save(), copied in save(), handed to a background write) and/or "flight" (one
     write in flight; a failed write surfaces at the next wait() or save(), which then go on; the
-    host buffers are allocated once). Returns the observations."""
+    host buffers are allocated once).
+
+    Two waits bound wrong answers, never right ones: a save() still blocked 5 s after it began
+    is released (one that waits for its own write); and a save() that returns within a second
+    while the previous write is held did not wait for it (a right one is still blocked then)."""
     unknown = set(aspects) - set(ASPECTS)
     if unknown:
         raise ValueError(f"aspects must be among {ASPECTS}, got {sorted(unknown)}")

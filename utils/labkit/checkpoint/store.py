@@ -16,6 +16,9 @@ The protocol, in the order the calls happen in a distributed save:
 - Readers trust nothing but a manifest whose shards all match their sizes and SHA-256; the hash
   is computed over the very bytes handed back (no check-then-read gap).
 
+`commit_folder(root, sid, metadata)` publishes files another writer put under root/<sid>/ (DCP's,
+in chapter 8, section 3), so that any sharded format gets the same commit.
+
 An object store has no link and no rename: there, publication is a conditional put of the
 manifest (`If-None-Match: *` on S3, `ifGenerationMatch=0` on Google Cloud Storage) issued after
 every shard's put has returned. The course explains it; this module is the POSIX version.
@@ -122,6 +125,23 @@ def commit(root, snapshot: str, shards: list, metadata: dict, rehash: bool = Tru
         os.unlink(temp)
     fsync_folder(root)                         # the new name survives a power cut
     return target
+
+
+def commit_folder(root, snapshot: str, metadata: dict) -> str:
+    """Publish everything already written under root/<snapshot>/ (another writer's files, e.g.
+    DCP's `__0_0.distcp` and `.metadata`): one manifest entry per file, hashed here. Call it on
+    one rank after every rank's writer returned (chapter 8, section 3: DCP with the commit on
+    top). The files must be durable already (DCP fsyncs its data files)."""
+    guard("store.commit_folder")
+    folder = shard_folder(root, snapshot)
+    entries = []
+    for here, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            path = os.path.join(here, name)
+            entries.append({"path": os.path.relpath(path, os.fspath(root)).replace(os.sep, "/"),
+                            "bytes": os.path.getsize(path), "sha256": sha256_file(path)})
+    fsync_folder(folder)
+    return commit(root, snapshot, entries, metadata, rehash=False)
 
 
 def _read_manifest(root, snapshot: str) -> dict:
