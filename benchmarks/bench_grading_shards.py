@@ -45,11 +45,13 @@ def run_shards(count, course, subs, out, db_url, env):
     for p, log in zip(processes, logs):
         if p.returncode != 0:
             raise RuntimeError(f"labkit grade failed:\n{log[-3000:]}")
-    scores = {}
+    scores, problems = {}, {}
     for path in glob.glob(os.path.join(out, "grades*.csv")):
         with open(path) as f:
-            scores.update({r["student_id"]: float(r["score"]) for r in csv.DictReader(f)})
-    return wall, scores
+            for r in csv.DictReader(f):
+                scores[r["student_id"]] = float(r["score"])
+                problems[r["student_id"]] = r["problems"]
+    return wall, scores, problems
 
 
 def main():
@@ -74,10 +76,10 @@ def main():
         with throwaway_postgres() as server:
             for count in (1, 2):
                 db_url = server.url(f"bench_{count}")
-                wall, scores = run_shards(count, course, subs, os.path.join(root, f"out{count}"),
-                                          db_url, env)
+                wall, scores, problems = run_shards(count, course, subs,
+                                                    os.path.join(root, f"out{count}"), db_url, env)
                 rows[count] = {"wall_s": round(wall, 1), "per_minute": round(
-                    60 * len(scores) / wall, 2), "scores": scores}
+                    60 * len(scores) / wall, 2), "scores": scores, "problems": problems}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{LAB}: {args.n} submissions on {os.cpu_count()} cores, --jobs 1 per process, "
@@ -89,6 +91,12 @@ def main():
     same = rows[1]["scores"] == rows[2]["scores"] and len(rows[1]["scores"]) == args.n
     print(f"2 shards / 1: {rows[2]['per_minute'] / rows[1]['per_minute']:.2f}x; "
           f"identical grades: {same}")
+    for student in sorted(set(rows[1]["scores"]) | set(rows[2]["scores"])):
+        one, two = rows[1]["scores"].get(student), rows[2]["scores"].get(student)
+        if one != two:
+            print(f"  {student}: {one} (1 process) vs {two} (2 shards); problems: "
+                  f"{rows[1]['problems'].get(student) or '-'} | "
+                  f"{rows[2]['problems'].get(student) or '-'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
