@@ -76,7 +76,8 @@ def check_no_alarm(world, diagnose, steps=12, hiccups=2, experts=0, seed=None):
     case = base.Case(f"{TASK1}: a healthy run of {steps} steps on {world.size} ranks with "
                      f"{hiccups} hiccups", seed)
     trace = traces.record_run(world, steps=steps,
-                              hiccups=_hiccups(case, world.size, steps, hiccups), experts=experts, seed=case.integer(0, 10 ** 6),
+                              hiccups=_hiccups(case, world.size, steps, hiccups),
+                              experts=experts, seed=case.integer(0, 10 ** 6),
                               clock_skew=CLOCK_SKEW)
     got = _verdict(diagnose, trace, case, "a healthy run")
     _expect(got, dict.fromkeys(KEYS), case, "a healthy run (nothing is wrong in it)",
@@ -117,7 +118,7 @@ def check_missing(world, diagnose, steps=10, timeout=3.0, seed=None):
     return got
 
 
-def check_hot_expert(world, diagnose, steps=4, experts=8, seed=None):
+def check_hot_expert(world, diagnose, steps=6, experts=8, seed=None):
     """About 40-60% of every rank's tokens go to one expert the case draws (top-1 routing over
     `experts`). Expected: that expert, nothing else."""
     case = base.Case(f"{TASK1}: a hot expert among {experts}, {world.size} ranks", seed)

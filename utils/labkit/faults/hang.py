@@ -33,6 +33,7 @@ import threading
 import time
 
 _FRAME = re.compile(r"^\s{4}(\S+) \((\S+):(\d+)\)$")
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")          # py-spy colours its output in some terminals
 COLLECTIVE_NAMES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
                     "barrier", "reduce", "gather", "scatter", "send", "recv", "wait")
 
@@ -54,7 +55,8 @@ def py_spy_dump(pid: int, native: bool = False, timeout: float = 20.0) -> str:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"py-spy dump of {pid} did not answer within {timeout:g} s"
-    return done.stdout if done.returncode == 0 else (done.stdout + done.stderr).strip()
+    text = done.stdout if done.returncode == 0 else (done.stdout + done.stderr).strip()
+    return _COLOUR.sub("", text)
 
 
 def main_thread_frames(dump: str) -> list[tuple[str, str, int]]:

@@ -18,6 +18,7 @@ use chapter 8's bench directly in the notebook.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -68,7 +69,7 @@ def mismatched_collectives(ops, timeout: float = TIMEOUT) -> dict:
     except RuntimeError as caught:       # DistBackendError and friends
         error = " ".join(str(caught).split())[:400]
     report = {"values": values, "error": error, "seconds": round(time.monotonic() - started, 3)}
-    print(f"rank {dist.get_rank()}: {report}", flush=True)
+    print("report " + json.dumps(report), flush=True)
     dist.barrier()                       # the default group outlives the broken one
     dist.destroy_process_group(group)
     return report
@@ -84,8 +85,19 @@ def exit_around_collective(ops, timeout: float = TIMEOUT) -> dict:
     except RuntimeError as caught:
         error = " ".join(str(caught).split())[:400]
     report = {"values": values, "error": error, "seconds": round(time.monotonic() - started, 3)}
-    print(f"rank {dist.get_rank()}: {report}", flush=True)
+    print("report " + json.dumps(report), flush=True)
     return report
+
+
+def reports(last_output: dict) -> dict:
+    """{rank: report} from the lines the programs above printed (`world.last_output`): what the
+    ranks that survived saw, when another rank's death made the call raise."""
+    found = {}
+    for rank, lines in last_output.items():
+        for _, line in lines:
+            if line.startswith("report "):
+                found[rank] = json.loads(line[len("report "):])
+    return found
 
 
 class DropoutMLP(nn.Module):
