@@ -1,8 +1,12 @@
-"""Chapter 2 / lab 2: the data-parallel test bench (labkit.dp, labkit.dp.placement) and the lab's
-hidden tests, which must reject the classic wrong answers."""
-import importlib.util
+"""Chapter 2 / lab 2: the data-parallel bench (labkit.dp, placement, training), the lab's reference
+synchroniser used the way a training loop uses it, and lab 2's test cells (visible and hidden
+lines, run outside nbgrader) failing each wrong answer issue 12 names in the cells of its task."""
+import contextlib
 import math
+import sys
 from pathlib import Path
+
+import cloudpickle
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from labkit.dp import placement, training
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab02_data_parallel"
 SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank programs defined here
 FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,
                suppress_health_check=list(HealthCheck))
 
@@ -126,13 +131,18 @@ def test_harness_exposes_the_mean_of_means_on_a_skewed_split(world):
 
 
 class _PerParameterSync:
-    """A plain (unbucketed, after-backward) synchroniser, to test the bench."""
+    """A plain synchroniser (unbucketed, after backward), to test the training harness."""
 
     def __init__(self, model, bucket_bytes):
         self.model = model
 
+    def no_sync(self):
+        return contextlib.nullcontext()        # would sync every microbatch: one microbatch here
+
     def finish(self):
         for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
 
@@ -143,15 +153,13 @@ class _NoSync(_PerParameterSync):
 
 
 @pytest.mark.timeout(60)
-def test_training_harness_and_trace_count(world):
-    case = dp.training_case(seed=2, world_size=2, steps=3)
-    with world.tracing() as trace:
-        histories = world.call(dp.train_with_grad_sync, args=(_PerParameterSync, case), timeout=60)
-    dp.assert_params_match(histories, dp.reference_training(case))
-    assert dp.all_reduced_elements(trace, 1) == 3 * dp.parameter_elements(case)
-    unsynced = world.call(dp.train_with_grad_sync, args=(_NoSync, case), timeout=60)
+def test_training_harness_gives_the_reference_and_catches_no_sync(world):
+    case = training.training_case(seed=2, world_size=2, steps=3, microbatches=1)
+    histories = world.run_each(training.train_with_sync, training.shares(case), _PerParameterSync)
+    training.assert_params_match(histories, training.reference_training(case))
+    unsynced = world.run_each(training.train_with_sync, training.shares(case), _NoSync)
     with pytest.raises(AssertionError, match="after step 1: rank 0"):
-        dp.assert_params_match(unsynced, dp.reference_training(case))
+        training.assert_params_match(unsynced, training.reference_training(case))
 
 
 @pytest.mark.timeout(60)
@@ -267,3 +275,156 @@ def test_reference_sync_names_a_missing_no_sync_and_recovers(reference):
         total, _ = dp.token_loss_sum(model, pieces[0]["sequences"])
         (total / step["tokens"]).backward()
     dp.assert_grads_match([grads for _, grads in results], dp.grads_of(model))
+
+
+# ---- lab 2 through its own test cells ------------------------------------------------------------
+
+def _cells():
+    import nbformat
+    return nbformat.read(str(SOLUTION), as_version=4).cells
+
+
+def run_lab(test_ids, answers=None):
+    """Run the solution's parameters and setup cells, its answer cells (`answers`: grade_id ->
+    replacement source), then the test cells `test_ids`, visible and hidden lines.
+    Returns {test_id: None if it passed, else the error}."""
+    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c for c in _cells()}
+    namespace = {"__name__": "__main__"}
+    for grade_id in ("parameters", "setup"):
+        exec(compile(cells[grade_id].source, grade_id, "exec"), namespace)
+    for grade_id, cell in cells.items():
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            source = (answers or {}).get(grade_id, cell.source)
+            exec(compile(source, grade_id, "exec"), namespace)
+    outcome = {}
+    for test_id in test_ids:
+        try:
+            exec(compile(cells[test_id].source, test_id, "exec"), namespace)
+            outcome[test_id] = None
+        except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
+            outcome[test_id] = error
+    return outcome
+
+
+def _answer(grade_id):
+    return next(c.source for c in _cells()
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def _failed(outcome):
+    return {test for test, error in outcome.items() if error is not None}
+
+
+TASK1 = ["test_task1_gradients", "test_task1_one_synchronisation", "test_task1_logged_loss",
+         "test_task1_empty_batch"]
+TASK2 = ["test_task2_norm", "test_task2_norm_dtype", "test_task2_clipped_step",
+         "test_task2_skipped_step"]
+TASK3 = ["test_task3_values", "test_task3_missing_gradients_and_failures", "test_task3_overlap",
+         "test_task3_buckets"]
+
+
+def _edit(grade_id, old, new):
+    source = _answer(grade_id)
+    assert old in source, f"the solution changed: {old!r} is gone; update this test"
+    return source.replace(old, new)
+
+
+TASK1_WRONG = {   # name: (edit of the solution, the cells that must fail)
+    "the mean of microbatch means (the habit from one GPU)": (
+        ("            (total * (R / tokens)).backward()          # DDP divides the summed gradients by R\n",
+         "            n = dp.count_tokens(microbatch)\n"
+         "            (total / max(n, 1) / len(microbatches)).backward()\n"),
+        {"test_task1_gradients"}),
+    "every microbatch synchronised (no no_sync)": (
+        ("        with contextlib.nullcontext() if last else ddp_model.no_sync():   # one sync, at the end\n",
+         "        with contextlib.nullcontext():\n"),
+        {"test_task1_one_synchronisation"}),
+    "this rank's own loss logged": (
+        ("    dist.all_reduce(logged)                            # sum of all token losses, for the log\n"
+         "    return (logged / tokens).item()\n",
+         "    mine = sum(dp.count_tokens(mb) for mb in microbatches)\n"
+         "    return (logged / max(mine, 1)).item()\n"),
+        {"test_task1_logged_loss"}),
+    "no error for an empty global batch": (
+        ("    if tokens == 0:\n", "    if tokens < 0:\n"),
+        {"test_task1_empty_batch"}),
+}
+
+
+@pytest.mark.timeout(600)
+def test_task_1_wrong_answers_fail_their_cells():
+    answers = {name: _edit("task1_accumulation_step", *edit) for name, (edit, _) in TASK1_WRONG.items()}
+    for name, (_, fails) in TASK1_WRONG.items():
+        outcome = run_lab(sorted(fails), {"task1_accumulation_step": answers[name]})
+        assert _failed(outcome) == fails, f"{name}: {outcome}"
+    # and the correct answer passes all four (one run, also of the hidden lines)
+    assert not _failed(run_lab(TASK1)), "the solution fails a task 1 cell"
+
+
+TASK2_WRONG = {
+    "replicas counted once per copy": (
+        ("square().sum() / copies", "square().sum()"), {"test_task2_norm", "test_task2_clipped_step"}),
+    "the dtype argument ignored": (
+        ("        squares += grad.detach().to(device=device, dtype=dtype).square().sum() / copies\n",
+         "        squares += grad.detach().to(device=device, dtype=torch.float32).square().sum() / copies\n"),
+        {"test_task2_norm_dtype"}),
+    "clipping by rebinding list entries": (
+        ("            g.mul_(scale)\n            p.sub_(lr * g)\n",
+         "            pass\n"
+         "        for i in range(len(grads)):\n"
+         "            grads[i] = grads[i] * scale\n"
+         "            params[i] = params[i] - lr * grads[i]\n"),
+        {"test_task2_clipped_step"}),
+    "each rank skips on its own NaN": (
+        ("    norm = global_grad_norm(grads, replicas, device)\n",
+         "    if any(not torch.isfinite(g).all() for g in grads):\n"
+         "        return torch.tensor(float('nan'))        # skips the collective: the others wait\n"
+         "    norm = global_grad_norm(grads, replicas, device)\n"),
+        {"test_task2_skipped_step"}),
+}
+
+
+@pytest.mark.timeout(600)
+def test_task_2_wrong_answers_fail_their_cells():
+    for name, (edit, fails) in TASK2_WRONG.items():
+        # a rank that skips the collective hangs the others until the cell's timeout: run only
+        # the cell it must fail
+        cells = sorted(fails) if "own NaN" in name else TASK2
+        outcome = run_lab(cells, {"task2_norm_and_step": _edit("task2_norm_and_step", *edit)})
+        assert _failed(outcome) == fails, f"{name}: {outcome}"
+
+
+SYNC = "task3_bucketed_grad_sync"
+TASK3_WRONG = {
+    "all-reduced after backward, in finish() (no overlap)": (
+        ("        while self.next_to_send < len(self.buckets) and self.missing[self.next_to_send] == 0:\n"
+         "            self._send(self.next_to_send)\n",
+         "        pass                                   # everything is sent from finish()\n"),
+        {"test_task3_overlap", "test_task3_buckets"}),
+    "one bucket per parameter, whatever bucket_bytes says": (
+        ("            if size >= bucket_bytes:                 # this bucket is full: start the next one\n",
+         "            if True:\n"),
+        {"test_task3_buckets"}),
+    "buckets in forward order": (
+        ("        for p in reversed([p for p in model.parameters() if p.requires_grad]):\n",
+         "        for p in [p for p in model.parameters() if p.requires_grad]:\n"),
+        {"test_task3_overlap", "test_task3_buckets"}),
+    "a missing gradient is an error, and the step's state is kept (the first edition)": (
+        ("        try:\n            while self.next_to_send < len(self.buckets):   # buckets with a missing gradient\n",
+         "        if self.next_to_send < len(self.buckets):\n"
+         "            raise RuntimeError('a parameter got no gradient')   # the step's state stays\n"
+         "        try:\n            while self.next_to_send < len(self.buckets):\n"),
+        {"test_task3_missing_gradients_and_failures"}),
+    "no_sync ignored": (
+        ("        previous, self.syncing = self.syncing, False\n",
+         "        previous = self.syncing\n"),
+        set(TASK3)),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(TASK3_WRONG))
+def test_task_3_wrong_answers_fail_their_cells(name):
+    edit, fails = TASK3_WRONG[name]
+    outcome = run_lab(TASK3, {SYNC: _edit(SYNC, *edit)})
+    assert _failed(outcome) == fails, f"{name}: {outcome}"

@@ -7,10 +7,13 @@
     per_rank = world.call(dp.token_loss_gradients, args=(loss_fn, case), timeout=60)
     dp.assert_grads_match(per_rank, reference)          # or a coaching AssertionError
 
-What is here: a tiny deterministic language model, ragged batches as plain lists, ways to split a
-batch over ranks and microbatches, the single-process reference, the rank-side harnesses that run
-a function of yours inside a training step, and comparisons with stated tolerances. What is not
-here: the token-correct loss, the sharded norm and the bucketed synchroniser (lab 2 tasks 1-3).
+What is here: a tiny deterministic language model (with tied, frozen or optional weights on
+request), ragged batches as plain lists, ways to split a batch over ranks and microbatches, the
+single-process reference, a rank-side harness that runs a loss function of yours inside a step,
+and comparisons with stated tolerances. Beside it: `training` (whole training runs as plain data,
+and the loop that drives a synchroniser), `placement` (sharded and replicated gradients),
+`checks` and `sync_checks` (lab 2's checkers), `selfcheck` (chapter 2's questions). What is not
+here: the answers of lab 2 (the accumulation step, the norm and clipped step, the synchroniser).
 
 Notation (chapter 2): R ranks; rank r holds n_r valid tokens whose losses sum to S_r; the global
 token loss is L = sum_r S_r / sum_r n_r. Shapes: B sequences, T positions, V vocabulary, H hidden.
@@ -152,9 +155,9 @@ def grads_of(model) -> dict:
             for name, p in model.named_parameters()}
 
 
-def reference_gradients(batch, seed: int = 0, layers: int = 1) -> dict:
+def reference_gradients(batch, seed: int = 0, layers: int = 1, hidden: int = HIDDEN) -> dict:
     """One process, the whole batch: the gradient of L = (sum of token losses) / (token count)."""
-    model = make_model(seed, layers)
+    model = make_model(seed, layers, hidden)
     total, count = token_loss_sum(model, batch)
     if count == 0:
         raise ValueError("the global batch has no valid token: the loss is undefined")
@@ -228,85 +231,3 @@ def assert_grads_match(per_rank: list, reference: dict, what: str = "grad", rtol
                     f"rank {rank}: {name}.{what} differs from the single-process reference by "
                     f"{gap:.1e} (tolerance rtol={rtol:g}, atol={atol:g}); "
                     f"{hint or _hint(actual, expected, world_size)}")
-
-
-# ---- parameters after training steps (chapter 2 section 1, lab 2 task 3) ------------------------
-
-def training_case(seed: int, world_size: int, steps: int, per_rank: int = 2, length: int = 6,
-                  lr: float = 0.5, layers: int = 3, bucket_bytes: int = 1024) -> dict:
-    """Plain data: `steps` global batches of world_size * per_rank sequences of equal length."""
-    batches = [ragged_batch(seed + 1000 * step, world_size * per_rank, length, min_len=length)
-               for step in range(steps)]
-    return {"seed": seed, "batches": batches, "lr": lr, "layers": layers,
-            "bucket_bytes": bucket_bytes, "per_rank": per_rank}
-
-
-def params_of(model) -> dict:
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-
-
-def reference_training(case: dict) -> list:
-    """One process, SGD on every global batch: the parameters after each step."""
-    model = make_model(case["seed"], case["layers"])
-    history = []
-    for batch in case["batches"]:
-        model.zero_grad(set_to_none=True)
-        total, count = token_loss_sum(model, batch)
-        (total / count).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= case["lr"] * p.grad
-        history.append(params_of(model))
-    return history
-
-
-def train_with_grad_sync(sync_class, case: dict) -> list:
-    """On every rank: SGD where sync_class(model, bucket_bytes) synchronises the gradients.
-
-    Each step: zero the gradients, forward this rank's equal share of the batch, mean token
-    loss, backward (the synchroniser's hooks fire), `sync.finish()`, then p -= lr * p.grad.
-    Returns the parameters after each step.
-    """
-    import torch.distributed as dist
-    from labkit import device
-    rank = dist.get_rank()
-    model = make_model(case["seed"], case["layers"], device=device())
-    sync = sync_class(model, case["bucket_bytes"])
-    history, k = [], case["per_rank"]
-    for batch in case["batches"]:
-        model.zero_grad(set_to_none=True)
-        total, count = token_loss_sum(model, batch[rank * k:(rank + 1) * k])
-        (total / count).backward()
-        sync.finish()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= case["lr"] * p.grad
-        history.append(params_of(model))
-    return history
-
-
-def assert_params_match(per_rank_history: list, reference_history: list, rtol: float = RTOL,
-                        atol: float = ATOL) -> None:
-    """Every rank's parameters equal the single-process run's after every step."""
-    for step, reference in enumerate(reference_history):
-        per_rank = [history[step] for history in per_rank_history]
-        try:
-            assert_grads_match(per_rank, reference, "data", rtol, atol,
-                               hint=_param_hint())
-        except AssertionError as error:
-            raise AssertionError(f"after step {step + 1}: {error}") from None
-
-
-def _param_hint() -> str:
-    return ("check that every gradient is all-reduced once, divided by the world size, and "
-            "written back to p.grad before finish() returns")
-
-
-def all_reduced_elements(trace, rank: int = 0) -> int:
-    """Elements that `rank` handed to all_reduce during a trace (every tensor of every call)."""
-    return sum(math.prod(shape) for record in trace.ops(rank, "all_reduce")
-               for shape in record["shapes"])
-
-
-def parameter_elements(case: dict) -> int:
-    return sum(p.numel() for p in make_model(case["seed"], case["layers"]).parameters())

@@ -11,10 +11,12 @@ placement:
   {"kind": "replicate", "ranks": [..]} a full, identical copy on each of these ranks
   {"kind": "only", "rank": k}          held by rank k alone
 On rank r, `local_grads(case, r, R)` gives the tensors r holds and, for each, `replicas`: how many
-ranks hold an identical copy of it (1 for a shard). Chapter 2, section 4 teaches the norm
+ranks hold an identical copy of it (1 for a shard). Chapter 2, section 5 teaches the norm
 ||g||_2 = sqrt(sum over distinct pieces p of ||g_p||^2); computing it is lab 2 task 2.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -154,3 +156,57 @@ def reference_clip(case: dict, max_norm: float) -> list:
         p.grad = t.double().clone()
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     return [p.grad for p in params]
+
+
+# ---- lab 2, task 2: each rank is sent only its own pieces -----------------------------------------
+
+def shares(case: dict, world_size: int, params: list | None = None) -> list:
+    """Per rank: {"grads", "replicas"} (and "params": the matching pieces of `params`)."""
+    out = []
+    for rank in range(world_size):
+        grads, replicas, _ = local_grads(case, rank, world_size)
+        share = {"grads": grads, "replicas": replicas}
+        if params is not None:
+            share["params"] = local_grads({"full": params, "where": case["where"]}, rank,
+                                          world_size)[0]
+        out.append(share)
+    return out
+
+
+def norm_program(share: dict, norm_fn, dtype=None) -> float:
+    """On a rank: norm_fn(grads, replicas, labkit.device()[, dtype]) on this rank's pieces."""
+    from labkit import device
+    grads = [g.to(device()) for g in share["grads"]]
+    if dtype is None:
+        return float(norm_fn(grads, share["replicas"], device()))
+    return float(norm_fn(grads, share["replicas"], device(), dtype=dtype))
+
+
+def step_program(share: dict, step_fn, lr: float, max_norm: float) -> dict:
+    """On a rank: step_fn(params, grads, replicas, lr, max_norm, device) on this rank's pieces;
+    the norm it returns, and the params and grads read back from the tensors handed over."""
+    from labkit import device
+    params = [p.to(device()) for p in share["params"]]
+    grads = [g.to(device()) for g in share["grads"]]
+    handed = (list(params), list(grads))        # the tensors themselves: read back from these
+    norm = step_fn(params, grads, share["replicas"], lr, max_norm, device())
+    return {"norm": float(norm), "params": [p.cpu() for p in handed[0]],
+            "grads": [g.cpu() for g in handed[1]]}
+
+
+def reference_step(case: dict, params: list, lr: float, max_norm: float):
+    """One process: (norm, params after, grads after) of a clipped SGD step on the full tensors,
+    skipped (nothing changes) when the norm is not finite."""
+    norm = full_norm(case)
+    grads = [t.clone() for t in case["full"]]
+    if not math.isfinite(norm):
+        return norm, [p.clone() for p in params], grads
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    grads = [(g.double() * scale).to(g.dtype) for g in grads]
+    params = [(p.double() - lr * g.double()).to(p.dtype) for p, g in zip(params, grads)]
+    return norm, params, grads
+
+
+def expected_pieces(case: dict, full: list, rank: int, world_size: int) -> list:
+    """What `rank` holds of the full tensors `full`, laid out as `case` places them."""
+    return local_grads({"full": full, "where": case["where"]}, rank, world_size)[0]
