@@ -132,19 +132,19 @@ def check_layout_errors(fn, case=None) -> None:
                             f"{size} ranks on nodes of 5 GPUs")
 
 
-def check_tp_inside_nodes(fn, size, degrees, order, gpus_per_node) -> None:
+def check_tp_inside_nodes(fn, size, degrees, order, gpus_per_node):
     """With gpus_per_node, fn raises ValueError (naming tp) exactly when some tp group spans more
-    than one node (ranks n G .. n G + G - 1 on node n); otherwise it returns the layout."""
+    than one node (ranks n G .. n G + G - 1 on node n); otherwise it returns the layout. Returns
+    the error's message, or the layout."""
     strides = _strides(degrees, order)
     span = strides["tp"] * (degrees["tp"] - 1)
     crosses = any(r // gpus_per_node != (r + span) // gpus_per_node
                   for r in range(size) if (r // strides["tp"]) % degrees["tp"] == 0)
     what = (f"mesh_layout({size}, {degrees}, {list(order)}, gpus_per_node={gpus_per_node})")
     if crosses:
-        _expect_value_error(fn, (size, dict(degrees), list(order), gpus_per_node),
-                            f"{what}, whose tp groups cross nodes", ["tp"])
-    else:
-        check_layout(fn, size, degrees, order, gpus_per_node, what)
+        return _expect_value_error(fn, (size, dict(degrees), list(order), gpus_per_node),
+                                   f"{what}, whose tp groups cross nodes", ["tp"])
+    return check_layout(fn, size, degrees, order, gpus_per_node, what)
 
 
 def random_layouts(case, count=6, max_size=48):
