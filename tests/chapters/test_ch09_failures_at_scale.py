@@ -1,0 +1,290 @@
+"""Chapter 9 / lab 9: labkit.faults's rules and benches, the lab's reference answers used the way a
+cluster's tooling uses them, and the lab's checkers rejecting the wrong answers issue 19 names (a
+diagnoser that always names the slowest rank, a guard that never fires, a guard that fires on
+ordinary noise, a validator that accepts another tokenizer), on real ranks."""
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import labkit
+from labkit import checks as lab_checks
+from labkit.faults import checks, checks_resume, detect, elastic, hang, spikes, traces
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab09_failures_at_scale"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+FEW = settings(max_examples=25, derandomize=True, deadline=None, database=None,
+               suppress_health_check=list(HealthCheck))
+
+
+def _answer_cells() -> dict:
+    """Every answer cell of the lab's solution notebook, executed in one namespace."""
+    import nbformat
+    namespace = {"torch": torch, "labkit": labkit, "detect": detect, "spikes": spikes,
+                 "traces": traces, "copy": copy, "math": math, "__name__": "__main__"}
+    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution"):
+            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
+    return namespace
+
+
+REF = _answer_cells()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    labkit.shutdown_all()
+
+
+# ---- detect: the rules, one process -----------------------------------------------------------
+
+def test_robust_z_matches_iglewicz_hoaglin_and_ignores_one_outlier():
+    values = [10.0, 11.0, 9.0, 10.0, 100.0]
+    z = detect.robust_z(values)                      # median 10, MAD 1
+    assert z == pytest.approx([0.0, 0.6745, -0.6745, 0.0, 0.6745 * 90])
+    assert detect.robust_z([3.0, 3.0, 3.0, 5.0]) == [0.0, 0.0, 0.0, math.inf]
+
+
+def test_across_rank_mad_is_degenerate_at_two_ranks_and_the_pooled_noise_is_not():
+    # at P = 2 the MAD of two medians is half their gap: every z is +-0.6745 whatever the gap
+    for gap in (0.001, 1.0, 100.0):
+        assert detect.robust_z([1.0, 1.0 + gap]) == pytest.approx([-0.6745, 0.6745])
+    steady = [[0.005 + 0.0001 * (s % 3) for s in range(12)] for _ in range(2)]
+    slow = [row[:] for row in steady]
+    slow[1] = [t + 0.1 for t in slow[1]]
+    assert detect.stragglers(steady) == [] and detect.stragglers(slow) == [1]
+
+
+@FEW
+@given(st.integers(2, 8), st.integers(6, 20), st.integers(0, 10_000), st.data())
+def test_a_delay_far_above_noise_is_found_and_jitter_with_pauses_is_not(P, S, seed, data):
+    gen = torch.Generator().manual_seed(seed)
+    base = 0.005 * (1 + 0.3 * torch.rand(P, S, generator=gen, dtype=torch.float64))   # [P, S]
+    healthy = base.tolist()
+    for _ in range(data.draw(st.integers(0, 2))):                  # one-off pauses
+        healthy[data.draw(st.integers(0, P - 1))][data.draw(st.integers(0, S - 1))] += 0.3
+    assert detect.stragglers(healthy) == []
+    slow_rank = data.draw(st.integers(0, P - 1))
+    delayed = [row[:] for row in base.tolist()]
+    delayed[slow_rank] = [t + 0.15 for t in delayed[slow_rank]]
+    assert detect.stragglers(delayed) == [slow_rank]
+    # the source material's rule, on means, fires on the pauses
+    if healthy != base.tolist():
+        assert detect.stragglers_relative(healthy)
+
+
+def test_window_spike_waits_for_a_baseline_counts_non_finite_and_uses_the_factor():
+    history = [1.0] * 9
+    assert not detect.window_spike(history, 100.0)                 # 9 < min_history
+    assert detect.window_spike(history, float("nan")) and detect.window_spike([], math.inf)
+    history.append(1.0)
+    assert detect.window_spike(history, 5.01) and not detect.window_spike(history, 4.99)
+    recent = [100.0] * 10 + [1.0] * 100
+    assert detect.window_spike(recent, 6.0)                        # the window: the last 100
+    assert not detect.window_spike(recent, 6.0, window=110)        # mean 10: 6 is no spike
+
+
+def test_hot_expert_and_imbalance_metrics():
+    assert detect.hot_expert([100] * 8) is None
+    assert detect.hot_expert([50, 60, 55, 611, 64, 66, 58, 48]) == 3
+    assert detect.hot_expert([0, 0, 0]) is None
+
+
+# ---- traces and the diagnoser on real ranks ---------------------------------------------------
+
+def test_traces_of_real_ranks_show_the_straggler_in_compute_not_in_step_times():
+    world = labkit.world(3, backend="gloo", teaching=False)
+    trace = traces.record_run(world, steps=8, straggler=2, delay=0.1, seed=5, clock_skew=0.5)
+    compute, wait = traces.compute_times(trace), traces.wait_times(trace)
+    assert detect.stragglers(compute) == [2]
+    assert detect.median(wait[0]) >= 0.09 and detect.median(wait[2]) < 0.05
+    assert REF["diagnose"](trace) == {"straggler": 2, "missing": None, "hot_expert": None}
+
+
+def test_diagnoser_reference_on_synthetic_traces_with_skewed_clocks():
+    def rank(r, starts, computes, experts=None):
+        collectives = [{"seq": s + 1, "op": "all_reduce", "step": s, "what": "grads",
+                        "enter": t + c, "leave": t + c + 0.01}
+                       for s, (t, c) in enumerate(zip(starts, computes))]
+        ends = [t + c + 0.02 for t, c in zip(starts, computes)]
+        return {"rank": r, "step_start": starts, "step_end": ends, "collectives": collectives,
+                "expert_tokens": experts}
+    starts = [i * 0.2 for i in range(10)]
+    healthy = {"world_size": 2, "ranks": [rank(0, starts, [0.005] * 10),
+                                          rank(1, [t + 1e4 for t in starts], [0.006] * 10)]}
+    assert REF["diagnose"](healthy) == dict.fromkeys(("straggler", "missing", "hot_expert"))
+    missing = copy.deepcopy(healthy)
+    missing["ranks"][0]["collectives"][-1]["leave"] = None
+    missing["ranks"][0]["step_end"][-1] = None
+    missing["ranks"][1]["collectives"].pop()
+    missing["ranks"][1]["step_end"][-1] = None
+    assert REF["diagnose"](missing)["missing"] == 1
+
+
+def test_checkers_accept_the_reference_and_reject_a_diagnoser_naming_the_slowest_rank():
+    world = labkit.world(3, backend="gloo", teaching=False)
+    checks.check_no_alarm(world, REF["diagnose"], seed=11)
+    checks.check_missing(world, REF["diagnose"], seed=12)
+    checks.check_hot_expert(world, REF["diagnose"], seed=13)
+
+    def slowest(trace):
+        out = REF["diagnose"](trace)
+        compute = traces.compute_times(trace)
+        totals = [sum(t for t in row if t is not None) for row in compute]
+        out["straggler"] = max(range(len(totals)), key=totals.__getitem__)
+        return out
+    with pytest.raises(AssertionError, match="healthy run .*straggler"):
+        checks.check_no_alarm(world, slowest, seed=14)
+
+    def always_none(trace):
+        return dict.fromkeys(("straggler", "missing", "hot_expert"))
+    with pytest.raises(AssertionError, match="straggler = None, expected"):
+        checks.check_straggler(world, always_none, seed=15)
+    with pytest.raises(AssertionError, match="expected a dict"):
+        checks.check_no_alarm(world, lambda trace: [None, None, None], seed=16)
+
+
+# ---- the spike guard on real ranks ------------------------------------------------------------
+
+class _NeverFires(REF["SpikeGuard"]):
+    def after_step(self, step, batch_id, stats):
+        return None
+
+
+class _FiresOnNoise(REF["SpikeGuard"]):
+    """The window rule with a factor of 1.5: hard batches (~1.5-2.3x) set it off."""
+
+    def after_step(self, step, batch_id, stats):
+        if detect.window_spike(self.history, stats["grad_norm"], factor=1.5):
+            self.quarantined.add(batch_id)
+            back, state, history = self.good
+            spikes.restore(self.model, self.optimizer, state)
+            self.history = list(history)
+            return back
+        return super().after_step(step, batch_id, stats)
+
+
+class _SkipsWithoutRestore(REF["SpikeGuard"]):
+    """Quarantines and repeats the step, but keeps the damaged weights."""
+
+    def after_step(self, step, batch_id, stats):
+        if detect.window_spike(self.history, stats["grad_norm"]):
+            self.quarantined.add(batch_id)
+            return step
+        self.history.append(stats["grad_norm"])
+        return None
+
+
+def test_spike_guard_reference_and_the_named_wrong_guards():
+    world = labkit.world(2, backend="gloo", teaching=False)
+    got = checks.check_guard_spike(world, REF["SpikeGuard"], bad=2, snapshot_every=3, seed=21)
+    assert all(len(r["rollbacks"]) == 2 for r in got)
+    checks.check_guard_clean(world, REF["SpikeGuard"], snapshot_every=7, seed=22)
+    with pytest.raises(AssertionError, match="quarantined \\[\\], the bad batches"):
+        checks.check_guard_spike(world, _NeverFires, seed=23)
+    with pytest.raises(AssertionError, match="on a clean stream your guard"):
+        checks.check_guard_clean(world, _FiresOnNoise, seed=24)
+    with pytest.raises(AssertionError, match="final weights differ"):
+        checks.check_guard_spike(world, _SkipsWithoutRestore, seed=25)
+
+
+def test_guarded_train_rejects_a_bad_resume_step_and_snapshots_restore_adamw_exactly():
+    model = spikes.make_model(0)
+    optimizer = spikes.make_optimizer(model)
+    x, y = spikes.batch(0, 3, {})
+    for _ in range(2):
+        optimizer.zero_grad()
+        spikes.forward_backward(model, x, y)
+        optimizer.step()
+    state = spikes.snapshot(model, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    spikes.forward_backward(model, x, y)
+    optimizer.step()
+    spikes.restore(model, optimizer, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(s["step"] == 2 for s in optimizer.state_dict()["state"].values())
+
+    class Backwards:
+        def __init__(self, model, optimizer, **kwargs):
+            self.quarantined = set()
+
+        def after_step(self, step, batch_id, stats):
+            return step + 1
+    with pytest.raises(ValueError, match="expected None or the step to resume from"):
+        spikes.guarded_train({"steps": 3}, Backwards)
+
+
+def test_bad_batches_spike_the_gradient_norm_far_above_hard_ones():
+    world = labkit.world(2, backend="gloo", teaching=False)
+    plan = {"bad": [24], "hard": [12, 18, 30]}
+    run = world.run(spikes.train, {"steps": 32, "plan": plan})[0]
+    mean = sum(r["grad_norm"] for r in run[14:24] if r["kind"] == "clean") / 10
+    assert run[24]["grad_norm"] > 8 * mean
+    assert max(run[i]["grad_norm"] for i in (12, 18, 30)) < 3 * mean
+    with pytest.raises(ValueError, match=r"global batch \(12\) is not divisible by the world "):
+        spikes.batch(0, 0, {}, rank=0, size=5)
+
+
+# ---- the resume validator ---------------------------------------------------------------------
+
+@FEW
+@given(st.integers(0, 100_000))
+def test_validator_reference_plans_every_compatible_resume_and_refuses_every_mismatch(seed):
+    case = lab_checks.Case("test", seed=seed)
+    checks_resume.check_accepts(REF["validate_resume"], cases=2, seed=seed)
+    for kind in checks_resume.WORDS:
+        snap, run = checks_resume.mismatch(case, kind)
+        with pytest.raises(ValueError):
+            REF["validate_resume"](snap, run)
+
+
+def test_checker_rejects_a_validator_that_accepts_another_tokenizer():
+    def by_name(snapshot, run):
+        if run["tokenizer"]["name"] != snapshot["tokenizer"]["name"] or \
+                run["tokenizer"]["vocab_size"] != snapshot["tokenizer"]["vocab_size"]:
+            raise ValueError("tokenizer")
+        return REF["validate_resume"](dict(snapshot, tokenizer=run["tokenizer"]), run)
+    checks_resume.check_accepts(by_name, seed=31)
+    with pytest.raises(AssertionError, match="accepted a resume whose tokenizer"):
+        checks_resume.check_refuses(by_name, kinds=("tokenizer",), seed=32)
+
+    def vague(snapshot, run):
+        raise ValueError("cannot resume")
+    with pytest.raises(AssertionError, match="should name what differs"):
+        checks_resume.check_refuses(vague, kinds=("cursor",), seed=33)
+
+
+# ---- hangs, torchrun ---------------------------------------------------------------------------
+
+def test_py_spy_dumps_a_rank_and_the_verdict_needs_two_samples():
+    world = labkit.world(2, backend="gloo", teaching=False)
+    dump = hang.py_spy_dump(world.rank_pids()[1])
+    assert "MainThread" in dump and hang.main_thread_frames(dump), dump[:500]
+    waiting = {"dumps": {0: "Thread 1 (idle): \"MainThread\"\n    all_reduce "
+                            "(torch/distributed/distributed_c10d.py:3252)\n"}}
+    with pytest.raises(ValueError, match="one sample cannot tell"):
+        hang.verdict([dict(waiting, beats=[1, 1])])
+    assert hang.verdict([dict(waiting, beats=[1, 1]), dict(waiting, beats=[1, 1])]) == "deadlock"
+    assert hang.verdict([dict(waiting, beats=[1, 1]), dict(waiting, beats=[2, 2])]) == "straggler"
+
+
+@FEW
+@given(st.integers(1, 50), st.integers(1, 12))
+def test_work_lost_is_the_completed_steps_since_the_last_snapshot(kill_at, every):
+    lost = elastic.lost_steps(kill_at, every)
+    last_snapshot = max(s for s in range(0, kill_at) if s % every == 0)
+    assert lost == (kill_at - 1) - last_snapshot and 0 <= lost < every
+
+
+def test_the_torchrun_command_restarts_and_isolates_the_store():
+    command = elastic.command(2, "/tmp/x", 10, 4, 7)
+    assert "--max-restarts=1" in command and "labkit.faults.elastic:train" in command
+    with pytest.raises(ValueError, match="kill_at must be a step"):
+        elastic.launch(2, steps=5, every=2, kill_at=9, folder="/tmp/never")
