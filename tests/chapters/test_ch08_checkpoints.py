@@ -332,8 +332,8 @@ def test_task1_rejects(name, ref, world3):
 TASK2 = "task2_zero1_resume"
 WRONG_TASK2 = {
     "forgets the data cursor": [("    trainer.data.position = parts[0][\"data\"][\"position\"]\n", "")],
-    "forgets NumPy's RNG state": [("    np.random.set_state((kind, keys.numpy().astype(np.uint32), "
-                                   "pos, has_gauss, cached))\n", "")],
+    "forgets NumPy's RNG state": [("    np.random.set_state((name, keys.numpy().astype(np.uint32), "
+                                   "*rest))\n", "")],
     "forgets the optimizer's current learning rate": [
         ("    opt.param_groups[0][\"lr\"] = parts[0][\"lr\"]\n", "")],
     "never checks the run's identity": [("    for key in (\"tokenizer\", \"config\", \"code\"):",
@@ -373,27 +373,34 @@ TASK3 = "task3_async_checkpointer"
 WRONG_TASK3 = {
     "copies in the background thread, after the next step": (
         "copy", "read by another thread|snapshot of step",
-        [("        for name, tensor in state.items():\n            self.buffers[name].copy_(tensor)"
-          "   # the copy, before the next step changes them\n", "        self.state = state\n"),
-         ("            self.write(step, self.buffers)",
-          "            for k, v in self.state.items():\n                self.buffers[k].copy_(v)\n"
-          "            self.write(step, self.buffers)")]),
+        [("        for key in state:                    # the copy: the next step may change the "
+          "tensors\n            target[key].copy_(state[key])\n", "        self.live = state\n"),
+         ("                self.write(step, self.sets[index])",
+          "                for key in self.live:\n                    self.sets[index][key]"
+          ".copy_(self.live[key])\n                self.write(step, self.sets[index])")]),
     "hands the live tensors to the write": (
         "copy", "snapshot of step|live tensors",
-        [("        self.thread = threading.Thread(target=self._write, args=(step,), daemon=True)",
-          "        self.buffers = dict(state)\n        self.thread = threading.Thread("
-          "target=self._write, args=(step,), daemon=True)")]),
+        [("            self.queue.append((step, index))",
+          "            self.sets[index] = dict(state)\n            self.queue.append((step, index))")]),
     "saves synchronously": (
         "copy", "did not return while its write",
-        [("        self.thread.start()\n        return", "        self.thread.start()\n"
-          "        self.thread.join()\n        return")]),
-    "starts a write while one is in flight": (
-        "flight", "while the previous one", [("        self.wait()                          # one "
-                                              "write in flight: it owns the buffers\n", "")]),
+        [("            self.queue.append((step, index))\n            self.changed.notify_all()\n",
+          "            self.queue.append((step, index))\n            self.changed.notify_all()\n"
+          "            while self.queue:\n                self.changed.wait()\n")]),
+    "has one set of buffers (waits for every write in flight)": (
+        "flight", "waited for it although", [("self.free = [0, 1]", "self.free = [0]")]),
+    "runs two writes at once": (
+        "flight", "two writes ran at once",
+        [("        self.writer.start()\n", "        self.writer.start()\n        threading.Thread("
+          "target=self._drain, daemon=True).start()\n")]),
+    "copies a third snapshot while two are in flight": (
+        "flight", "third copy", [("self.sets = [None, None]", "self.sets = [None] * 8"),
+                                 ("self.free = [0, 1]", "self.free = list(range(8))")]),
     "swallows a failed write": (
-        "flight", "went unnoticed", [("            self.error = error", "            pass")]),
+        "flight", "went unnoticed", [("self.failure = self.failure or problem", "pass")]),
     "allocates new buffers at every save": (
-        "flight", "host buffers changed", [("        if self.buffers is None:\n", "        if True:\n")]),
+        "flight", "different sets of host buffers", [("        if self.sets[index] is None:\n",
+                                                      "        if True:\n")]),
 }
 
 

@@ -1,7 +1,7 @@
 """Lab 8, tasks 3 and 4's checkers: an asynchronous checkpointer, and its interval.
 
-Task 3:  AsyncCheckpointer(write) with save(step, state) and wait(); `write(step, tensors)` is the
-storage, called from the checkpointer's background thread. The checker's storage can hold a write
+Task 3:  AsyncCheckpointer(write) with save(step, state) and wait(), double-buffered: two sets of
+host buffers, one writer thread; `write(step, tensors)` is the storage, called from that thread. The checker's storage can hold a write
 (a gate), fail one, and records every call; the state's tensors are `Watched`: a read from another
 thread than the one that called save() is recorded, and, once save() has returned, held until
 the checker has run the next training step. So "copies after the next step mutated the tensors"
@@ -138,40 +138,46 @@ def _async_program(share, Checkpointer):
     storage.gates[1].set()
     ck.wait()
     out["late_reads_1"] = Watched.late_reads
-    # 2. a save while a write is in flight waits for it
+    # 2. double buffering: while write 2 is held, save(3) copies into the other buffer set and
+    #    returns; write 3 waits for write 2; save(4) then finds no free buffer set and waits
     Watched.reset(owner)
     storage.gates[2] = threading.Event()
-    watchdog = threading.Timer(5, storage.gates[2].set)
+    watchdog = threading.Timer(12, storage.gates[2].set)     # frees a save stuck on write 2
     watchdog.start()
     ck.save(2, state)
     Watched.save_returned()
     _next_step(state)
     Watched.released.set()
-    second = {"done": threading.Event()}
+    done = {3: threading.Event(), 4: threading.Event()}
 
-    def save_three():
+    def save_in_a_thread(step):
         Watched.reset(threading.get_ident())
-        ck.save(3, state)
+        ck.save(step, state)
         Watched.save_returned()
         Watched.released.set()
-        second["done"].set()
-    thread = threading.Thread(target=save_three, daemon=True)
-    thread.start()
-    out["save3_returned_while_2_held"] = second["done"].wait(1.0) and \
-        not storage.gates[2].is_set()
-    if out["save3_returned_while_2_held"]:
-        storage.entered_event(3).wait(5)          # let a save that did not wait start its write
+        done[step].set()
+    threads = {}
+    for step, grace in ((3, 5.0), (4, 1.0)):
+        threads[step] = threading.Thread(target=save_in_a_thread, args=(step,), daemon=True)
+        threads[step].start()
+        out[f"save{step}_returned_while_2_held"] = done[step].wait(grace) and \
+            not storage.gates[2].is_set()
+        if step == 3:
+            _next_step(state)
+    if out["save4_returned_while_2_held"]:
+        storage.entered_event(4).wait(2)          # a fourth copy: let its write show itself
     storage.gates[2].set()
     watchdog.cancel()
-    thread.join(30)
+    for thread in threads.values():
+        thread.join(30)
     Watched.reset(owner)
     ck.wait()
     # 3. a failed write surfaces at the next wait() or save(); the checkpointer goes on
     _next_step(state)
-    storage.fail.add(4)
+    storage.fail.add(5)
     raised = None
-    ck.save(4, state)
-    for where, call in (("wait", ck.wait), ("save", lambda: ck.save(5, state))):
+    ck.save(5, state)
+    for where, call in (("wait", ck.wait), ("save", lambda: ck.save(6, state))):
         try:
             call()
         except BaseException as error:  # noqa: BLE001 (an observation)
@@ -180,7 +186,7 @@ def _async_program(share, Checkpointer):
     out["failure_raised"] = raised
     _next_step(state)
     try:
-        ck.save(6, state)
+        ck.save(7, state)
         ck.wait()
         out["after_failure"] = "ok"
     except BaseException as error:  # noqa: BLE001
@@ -193,18 +199,22 @@ def _async_program(share, Checkpointer):
 
 
 ASPECTS = ("copy", "flight")
+SAVED = (1, 2, 3, 4, 7)                           # the steps whose writes must have happened
 
 
 def check_async_checkpointer(world, Checkpointer, aspects=ASPECTS, timeout=120, case=None):
     """Task 3: the contract of AsyncCheckpointer, on every rank (see the module's docstring).
     aspects: "copy" (save returns while its write runs; the snapshot holds the values the
-    tensors had at save(), copied in save(), handed to a background write) and/or "flight" (one
-    write in flight; a failed write surfaces at the next wait() or save(), which then go on; the
-    host buffers are allocated once).
+    tensors had at save(), copied in save(), handed to a background write) and/or "flight"
+    (double buffering: with a write in flight, the next save copies into the other buffer set
+    and returns, its write waits; a third save waits for a free set; one write at a time; a
+    failed write surfaces at the next wait() or save(), which then go on; two buffer sets,
+    allocated once).
 
-    Two waits bound wrong answers, never right ones: a save() still blocked 5 s after it began
-    is released (one that waits for its own write); and a save() that returns within a second
-    while the previous write is held did not wait for it (a right one is still blocked then)."""
+    Waits bound wrong answers only: a save() still blocked 5 s after it began is released (one
+    that waits for its own write); a save() with a free buffer set gets 5 s to return (a right
+    one takes milliseconds); a third save() that returns within a second while both sets are
+    busy did not wait (a right one is still blocked then)."""
     unknown = set(aspects) - set(ASPECTS)
     if unknown:
         raise ValueError(f"aspects must be among {ASPECTS}, got {sorted(unknown)}")
@@ -215,14 +225,14 @@ def check_async_checkpointer(world, Checkpointer, aspects=ASPECTS, timeout=120, 
     results = call(world, _async_program, (state, Checkpointer), timeout=timeout)
     base.one_result_per_rank(results, world.size, case)
     values, current = {}, {k: v.clone() for k, v in state.items()}
-    for step in (1, 2, 3, 4, 6):                  # one training step between two saves
+    for step in (1, 2, 3, 4, 5, 7):               # one training step between two saves
         values[step] = {k: v.clone() for k, v in current.items()}
         for tensor in current.values():
             tensor.add_(1)
     for rank, out in enumerate(results):
         where = f"rank {rank}"
         calls = {c["step"]: c for c in out["calls"]}
-        for step in (1, 2, 3, 6):
+        for step in SAVED:
             if step not in calls:
                 raise AssertionError(f"{where}: write was never called for step {step} "
                                      f"(calls: {sorted(calls)}) [{case}]")
@@ -241,7 +251,7 @@ def _judge_copy(out, calls, values, where, case):
         raise AssertionError(f"{where}: the live tensors were read by another thread after "
                              f"save() returned [{case}]: take the copy in save() itself, "
                              "before it returns; the next training step changes the tensors")
-    for step in (1, 2, 3, 6):
+    for step in SAVED:
         base.check(calls[step]["values"], values[step], f"{where}: the snapshot of step {step}",
                    case=case, hint="a snapshot holds the values the tensors had when save() "
                    "was called (copy them, with their dtypes and shapes)")
@@ -254,21 +264,27 @@ def _judge_copy(out, calls, values, where, case):
 
 
 def _judge_flight(out, calls, where, case):
-    if out["save3_returned_while_2_held"] or out["most_active"] > 1:
-        raise AssertionError(f"{where}: save() started a new write while the previous one "
-                             f"was still running (writes in flight at once: "
-                             f"{out['most_active']}) [{case}]: wait for the previous write "
-                             "first (one write in flight, one set of host buffers)")
+    if not out["save3_returned_while_2_held"]:
+        raise AssertionError(f"{where}: while a write was in flight, save() waited for it "
+                             f"although the second set of host buffers was free [{case}]: "
+                             "double-buffer (copy into the free set, queue its write, return)")
+    if out["most_active"] > 1:
+        raise AssertionError(f"{where}: two writes ran at once [{case}]: one writer, one write "
+                             "in flight; a queued snapshot waits for the write before it")
+    if out["save4_returned_while_2_held"]:
+        raise AssertionError(f"{where}: save() took a third copy while one snapshot was being "
+                             f"written and another waited [{case}]: two sets of host buffers "
+                             "at most; with both busy, save() waits for the write in flight")
     if out["failure_raised"] is None:
         raise AssertionError(f"{where}: a write that raised went unnoticed [{case}]: the "
                              "next wait() or save() must raise (keep the error)")
     if out["after_failure"] != "ok":
         raise AssertionError(f"{where}: after a failed write was reported, the next save "
                              f"failed: {out['after_failure']} [{case}]")
-    pointers = [tuple(sorted(calls[s]["ptrs"].items())) for s in (1, 2, 3, 6)]
-    if len(set(pointers)) != 1:
-        raise AssertionError(f"{where}: the host buffers changed between saves [{case}]: "
-                             "allocate them once (at the first save) and copy into them")
+    sets = {tuple(sorted(calls[s]["ptrs"].items())) for s in SAVED}
+    if len(sets) != 2:
+        raise AssertionError(f"{where}: the writes used {len(sets)} different sets of host "
+                             f"buffers [{case}]: allocate two sets once and reuse them")
 
 
 # ---- task 4 ------------------------------------------------------------------------------------
