@@ -60,3 +60,64 @@ def check_length_message(message: str, lengths: list) -> None:
                 f"the error message {str(message)!r} does not list every rank's length in rank "
                 f"order; the lengths were {lengths}: say what each rank passed (for example "
                 f"'per rank: {lengths}')") from None
+
+
+# ---- lab 0, task 3: the global mean over uneven ranks ---------------------------------------------
+
+def _mean_program(values, mean_fn):
+    """On a rank: mean_fn(this rank's values) as a Python float."""
+    return float(mean_fn(values))
+
+
+def mean_case(world_size: int, kind: str, seed=None):
+    """(case, shares, expected): per-rank float32 tensors of different lengths, drawn fresh.
+
+    kind: "equal" (every rank 4 values), "uneven" (rank r holds a random count, several times
+    more on some ranks: a mean of per-rank means is off), "rank 0 empty", "all empty". Values use
+    float32's whole precision, so a sum kept in float32 loses digits that float64 keeps."""
+    import torch
+    from labkit import checks
+    case = checks.Case(f"global mean, {kind} counts, P={world_size}", seed)
+    counts = {"equal": [4] * world_size,
+              "uneven": [case.integer(1, 3) * (1 + 20 * (r % 2)) for r in range(world_size)],
+              "rank 0 empty": [0] + [case.integer(2, 9) for _ in range(world_size - 1)],
+              "all empty": [0] * world_size}[kind]
+    shares = [case.exact_values((n,), "float32", terms=1) for n in counts]
+    everything = torch.cat([s.double() for s in shares])
+    expected = float(everything.mean()) if everything.numel() else None
+    return case, shares, expected
+
+
+def check_global_mean(world, mean_fn, kind="uneven", timeout=30):
+    """Every rank returns the mean of all values of all ranks, to float64 precision."""
+    from labkit import checks
+    case, shares, expected = mean_case(world.size, kind)
+    means = world.run_each(_mean_program, shares, mean_fn, timeout=timeout)
+    checks.one_result_per_rank(means, world.size, case, what="global_mean")
+    per_rank_means = [float(s.double().mean()) for s in shares if s.numel()]
+    naive = sum(per_rank_means) / len(per_rank_means)
+    for rank, mean in enumerate(means):
+        hint = ("that is the mean of the per-rank means: weight each rank by how many values it "
+                "holds (all-reduce the sum and the count)"
+                if math.isclose(mean, naive, rel_tol=1e-6) else
+                "sum in float64 (a float32 sum of many values loses digits), then divide the "
+                "global sum by the global count")
+        checks.check(float(mean), expected, f"global_mean on rank {rank}", rtol=1e-12, atol=0,
+                     case=case, hint=hint)
+
+
+def check_no_values_raise(world, mean_fn, timeout=30):
+    """No rank holds a value: ValueError on every rank (not a hang, not NaN)."""
+    import labkit
+    case, shares, _ = mean_case(world.size, "all empty")
+    try:
+        world.run_each(_mean_program, shares, mean_fn, timeout=timeout)
+    except labkit.RankError as error:
+        first_lines = {rank: text.splitlines()[0][:80] for rank, text in error.errors.items()}
+        if sorted(first_lines) != list(range(world.size)) or not all(
+                "ValueError" in text for text in error.errors.values()):
+            raise AssertionError(f"[{case}] every rank should raise ValueError; these raised: "
+                                 f"{first_lines}") from None
+        return
+    raise AssertionError(f"[{case}] global_mean should raise ValueError on every rank when no "
+                         "rank holds a value")

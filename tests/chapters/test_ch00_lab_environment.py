@@ -1,0 +1,159 @@
+"""Chapter 0 / lab 0: labkit.basics (the chapter's prediction check, lab 0's checkers), and lab 0's
+test cells (visible and hidden lines, run outside nbgrader) failing each wrong answer in the cells
+of its task: a vague error message, a mean of per-rank means, a float32 sum, a rank that skips the
+collective, no error when nobody holds a value."""
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+import labkit
+from labkit import basics
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = "lab00_first_collectives"
+SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_prediction_check_asks_first_and_explains(capsys):
+    assert basics.check_prediction(None, 3) is False
+    out = capsys.readouterr().out
+    assert "No prediction yet" in out and "6" not in out          # the answer is not shown
+    assert basics.check_prediction([[6, 3]] * 3, 3) is True
+    assert "P(P + 1)/2" in capsys.readouterr().out
+    assert basics.check_prediction([[6, 1]] * 3, 3) is False
+    assert basics.check_prediction("six", 3) is False
+
+
+@pytest.mark.parametrize("message, lengths, ok", [
+    ("every rank must pass the same number of values; per rank: [7, 3, 9]", [7, 3, 9], True),
+    ("rank 0 has 7, rank 1 has 3, rank 2 has 9", [7, 3, 9], True),
+    ("lengths differ", [7, 3, 9], False),
+    ("expected 7 values, got 3", [7, 3, 9], False),              # rank 2's length is missing
+    ("per rank: [9, 3, 7]", [7, 3, 9], False),                   # not in rank order
+    ("shapes [2] and [1] differ", [2, 1], True),
+])
+def test_the_length_message_must_name_every_rank(message, lengths, ok):
+    if ok:
+        basics.check_length_message(message, lengths)
+    else:
+        with pytest.raises(AssertionError, match="every rank's length"):
+            basics.check_length_message(message, lengths)
+
+
+def test_mean_cases_are_uneven_and_fresh():
+    _, shares, expected = basics.mean_case(3, "uneven")
+    counts = [len(s) for s in shares]
+    assert len(set(counts)) > 1 and expected is not None
+    _, again, _ = basics.mean_case(3, "uneven")
+    assert any(a.shape != b.shape or not (a == b).all() for a, b in zip(shares, again))
+    _, empty, expected = basics.mean_case(2, "all empty")
+    assert [len(s) for s in empty] == [0, 0] and expected is None
+
+
+# ---- lab 0 through its own test cells ------------------------------------------------------------
+
+def run_lab(test_ids, answers=None):
+    """Run the solution's parameters, setup and answer cells (`answers` replaces sources by
+    grade_id), then the test cells `test_ids`; {test_id: None or the error}."""
+    import nbformat
+    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c
+             for c in nbformat.read(str(SOLUTION), as_version=4).cells}
+    namespace = {"__name__": "__main__"}
+    for grade_id in ("parameters", "setup"):
+        exec(compile(cells[grade_id].source, grade_id, "exec"), namespace)
+    for grade_id, cell in cells.items():
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(compile((answers or {}).get(grade_id, cell.source), grade_id, "exec"), namespace)
+    outcome = {}
+    for test_id in test_ids:
+        try:
+            exec(compile(cells[test_id].source, test_id, "exec"), namespace)
+            outcome[test_id] = None
+        except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
+            outcome[test_id] = error
+    return outcome
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    labkit.shutdown_all()
+
+
+TASK2 = ["test_task2_all_reduce_result", "test_task2_length_message"]
+TASK3 = ["test_task3_global_mean", "test_task3_no_values"]
+
+VAGUE = '''
+def all_reduce_result(per_rank_values, op="sum"):
+    reducers = {"sum": sum, "product": math.prod, "max": max, "min": min}
+    if op not in reducers:
+        raise ValueError(f"unknown op {op!r}")
+    if len({len(v) for v in per_rank_values}) > 1:
+        raise ValueError("the ranks passed tensors of different lengths (1 or 2 of them differ)")
+    reduced = [reducers[op](column) for column in zip(*per_rank_values)]
+    return [list(reduced) for _ in per_rank_values]
+'''
+
+MEAN_OF_MEANS = '''
+def global_mean(local_values):
+    mean = torch.tensor([local_values.double().mean().item() if local_values.numel() else 0.0],
+                        dtype=torch.float64, device=labkit.device())
+    dist.all_reduce(mean)                      # the mean of the per-rank means
+    return mean.item() / dist.get_world_size()
+'''
+
+FLOAT32_SUM = '''
+def global_mean(local_values):
+    totals = torch.stack([local_values.sum(), torch.tensor(float(local_values.numel()))]).to(labkit.device())
+    dist.all_reduce(totals)                    # float32: the sum loses digits
+    if totals[1].item() == 0:
+        raise ValueError("no values")
+    return (totals[0] / totals[1]).item()
+'''
+
+SKIPS_WHEN_EMPTY = '''
+def global_mean(local_values):
+    if local_values.numel() == 0:
+        raise ValueError("this rank holds nothing")   # leaves the collective: the others wait
+    totals = torch.tensor([local_values.double().sum().item(), float(local_values.numel())],
+                          dtype=torch.float64, device=labkit.device())
+    dist.all_reduce(totals)
+    return totals[0].item() / totals[1].item()
+'''
+
+NO_ERROR = '''
+def global_mean(local_values):
+    totals = torch.tensor([local_values.double().sum().item(), float(local_values.numel())],
+                          dtype=torch.float64, device=labkit.device())
+    dist.all_reduce(totals)
+    return totals[0].item() / max(totals[1].item(), 1.0)      # 0.0 when nobody holds a value
+'''
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, grade_id, source, cells, fails", [
+    ("a message without the lengths", "task2_all_reduce_result", VAGUE, TASK2,
+     {"test_task2_length_message"}),
+    ("the mean of per-rank means (and 0 when nobody holds a value)", "task3_global_mean",
+     MEAN_OF_MEANS, TASK3, set(TASK3)),
+    ("a float32 sum", "task3_global_mean", FLOAT32_SUM, ["test_task3_global_mean"],
+     {"test_task3_global_mean"}),
+    ("no error when nobody holds a value", "task3_global_mean", NO_ERROR, TASK3,
+     {"test_task3_no_values"}),
+])
+def test_wrong_answers_fail_the_cells_of_their_task(name, grade_id, source, cells, fails):
+    outcome = run_lab(cells, {grade_id: source})
+    failed = {cell for cell, error in outcome.items() if error is not None}
+    assert failed == fails, f"{name}: {outcome}"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_leaves_the_collective_fails_by_timeout_not_hang():
+    world = labkit.world(2, timeout=20)
+    namespace = {}
+    exec("import torch, torch.distributed as dist, labkit\n" + SKIPS_WHEN_EMPTY, namespace)
+    with pytest.raises((labkit.RankError, labkit.CallTimeout)):
+        basics.check_global_mean(world, namespace["global_mean"], "rank 0 empty", timeout=5)
