@@ -4,9 +4,10 @@
     trace = traces.record_run(world, steps=8, skip=(1, 5))                # rank 1 skips step 5
     trace = traces.record_run(world, steps=6, hot_expert=3, share=0.5)    # expert 3 is popular
 
-Each rank runs a small synchronous training loop: in every step it computes (a fixed amount of
-matrix work, plus whatever delay the run asks of it), then enters the step's gradient
-all-reduce; with experts, it also routes its tokens and all-reduces the tokens per expert. The
+Each rank runs a small synchronous training loop: in every step it computes (a little matrix
+work, then GPU_SECONDS of waiting that stands for the GPU's kernels: a training process's CPU
+thread mostly waits for its GPU, so a busy CPU barely stretches it; plus whatever delay the run
+asks of it), then enters the step's gradient all-reduce; with experts, it also routes its tokens and all-reduces the tokens per expert. The
 run uses a process group of its own with a short timeout, so a rank that never joins a
 collective makes the others give up after `timeout` seconds instead of hanging the world.
 
@@ -35,8 +36,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-COMPUTE_SIZE = 128         # the matrix work of a step: 25 [128 x 128] products (~5 ms)
-COMPUTE_ROUNDS = 25
+COMPUTE_SIZE = 128         # the CPU work of a step: 4 [128 x 128] products (~1 ms)
+COMPUTE_ROUNDS = 4
+GPU_SECONDS = 0.008        # the rest of a step's compute: waiting for "the GPU" (a sleep)
 GRAD_ELEMENTS = 4096       # the gradient all-reduced each step (16 KiB of float32)
 TOKENS_PER_RANK = 512      # routed tokens per rank per step (expert runs)
 
@@ -44,6 +46,7 @@ TOKENS_PER_RANK = 512      # routed tokens per rank per step (expert runs)
 def _compute(weights, x):
     for _ in range(COMPUTE_ROUNDS):
         x = torch.tanh(x @ weights)                  # [128, 128]
+    time.sleep(GPU_SECONDS)
     return x
 
 
