@@ -461,6 +461,12 @@ def test_student_copy_works_as_handed_out(tmp_path):
                            "WARNING"], capture_output=True, text=True, timeout=900, env=env,
                           cwd=dist)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doctor = subprocess.run([str(venv / "bin" / "labkit"), "doctor", "--no-gpu"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=dist)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "skip  sandbox" in doctor.stdout and "ok    kernel    python3" in doctor.stdout
+    assert doctor.stdout.splitlines()[-1] == ("verdict: this machine can run the course (a "
+                                              "student copy: grading not checked)")
     ran = nbformat.read(str(executed), 4)
     assert ran.metadata.papermill.get("exception") is not True
     assert ran.metadata.kernelspec.name == "python3"

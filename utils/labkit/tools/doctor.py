@@ -179,6 +179,12 @@ def check_ss() -> Check:
     return Check("ok", "ss", f"{shutil.which('ss')} (iproute2: world.traffic)")
 
 
+def student_copy() -> bool:
+    """A copy made by `labkit dist`: no labkit.grading, notebooks on ipykernel's python3."""
+    import importlib.util
+    return importlib.util.find_spec("labkit.grading") is None
+
+
 def check_kernel() -> Check:
     try:
         from jupyter_client.kernelspec import KernelSpecManager
@@ -186,6 +192,12 @@ def check_kernel() -> Check:
     except Exception as error:  # noqa: BLE001
         return Check("FAIL", "kernel", f"jupyter_client unusable: {error}", "pip install -e .",
                      "course")
+    if student_copy():
+        if "python3" in specs:
+            return Check("ok", "kernel", f"python3 kernel at {specs['python3']} (the student "
+                         "copy's notebooks name it)")
+        return Check("FAIL", "kernel", "no python3 Jupyter kernel", "pip install -e . "
+                     "(it installs ipykernel)", "course")
     if "labkit" not in specs:
         return Check("warn", "kernel", "no `labkit` Jupyter kernel: JupyterLab asks for one, "
                      "nbclient raises NoSuchKernel (`labkit build` falls back to the "
@@ -197,6 +209,9 @@ def check_kernel() -> Check:
 def check_sandbox(euid: int | None = None, which=shutil.which, cgroups: dict | None = None
                   ) -> list[Check]:
     """What `labkit grade` needs to isolate a submission (docs/INSTRUCTORS.md)."""
+    if cgroups is None and student_copy():
+        return [Check("skip", "sandbox", "no labkit.grading here (a student copy): grading "
+                      "checks skipped")]
     euid = os.geteuid() if euid is None else euid
     checks = []
     fix_root = "run `labkit grade` as root (sudo -E .venv/bin/labkit grade ...)"
@@ -277,7 +292,9 @@ def exit_code(checks: list) -> int:
     return 1 if "course" in failed else 2 if "grade" in failed else 0
 
 
-def verdict_line(code: int) -> str:
+def verdict_line(code: int, checks: list = ()) -> str:
+    if code == 0 and any(c.name == "sandbox" and c.verdict == "skip" for c in checks):
+        return "verdict: this machine can run the course (a student copy: grading not checked)"
     return {0: "verdict: this machine can run the course and grade it",
             1: "verdict: the course cannot run here (see FAIL lines)",
             2: "verdict: the course runs here; `labkit grade` cannot isolate submissions "
@@ -296,7 +313,7 @@ def run(args) -> int:
     for check in checks:
         print(check.line(), flush=True)
     code = exit_code(checks)
-    print(verdict_line(code))
+    print(verdict_line(code, checks))
     return code
 
 
