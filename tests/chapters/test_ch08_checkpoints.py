@@ -389,10 +389,18 @@ WRONG_TASK3 = {
           "            while self.queue:\n                self.changed.wait()\n")]),
     "has one set of buffers (waits for every write in flight)": (
         "flight", "waited for it although", [("self.free = [0, 1]", "self.free = [0]")]),
-    "runs two writes at once": (
+    "runs two writes at once (a thread per save)": (
         "flight", "two writes ran at once",
-        [("        self.writer.start()\n", "        self.writer.start()\n        threading.Thread("
-          "target=self._drain, daemon=True).start()\n")]),
+        [("            self.queue.append((step, index))\n            self.changed.notify_all()\n",
+          "            threading.Thread(target=self._write_one, args=(step, index)).start()\n"),
+         ("    def _report(self):", "    def _write_one(self, step, index):\n        try:\n"
+          "            self.write(step, self.sets[index])\n        except BaseException as problem:"
+          "\n            self.failure = problem\n        with self.changed:\n"
+          "            self.free.append(index)\n            self.changed.notify_all()\n\n"
+          "    def _report(self):"),
+         ("            while self.queue:\n                self.changed.wait()\n            self._report()",
+          "            while len(self.free) < 2:\n                self.changed.wait()\n"
+          "            self._report()")]),
     "copies a third snapshot while two are in flight": (
         "flight", "third copy", [("self.sets = [None, None]", "self.sets = [None] * 8"),
                                  ("self.free = [0, 1]", "self.free = list(range(8))")]),
