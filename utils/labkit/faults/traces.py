@@ -8,8 +8,9 @@ Each rank runs a small synchronous training loop: in every step it computes (a l
 work, then GPU_SECONDS of waiting that stands for the GPU's kernels: a training process's CPU
 thread mostly waits for its GPU, so a busy CPU barely stretches it; plus whatever delay the run
 asks of it), then enters the step's gradient all-reduce; with experts, it also routes its
-tokens and all-reduces the tokens per expert. The run uses a process group of its own with a short timeout, so a rank that never joins a
-collective makes the others give up after `timeout` seconds instead of hanging the world.
+tokens and all-reduces the tokens per expert. The run uses a process group of its own with a
+short timeout, so a rank that never joins a collective makes the others give up after `timeout`
+seconds instead of hanging the world.
 
 What comes back (plain data, one entry per rank; times in seconds from `time.time()`, each rank
 reading its own clock):
