@@ -297,3 +297,12 @@ def test_a_call_that_destroys_the_process_group_gets_a_restarted_world(world2, c
     assert world2.run(rc.destroys_group) == ["gone", "gone"]
     assert world2.run(rc.summed, 1) == [3.0, 3.0]
     assert "destroyed the process group" in capsys.readouterr().out
+
+
+def test_under_the_grader_a_world_starts_its_ranks_on_first_use(monkeypatch):
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")   # what labkit grade's kernel has
+    world = labkit.world(2, timeout=21)
+    assert world.rank_pids() == {} and not world.alive       # nothing started yet
+    assert world.run(rc.summed, 1) == [3.0, 3.0]
+    assert len(world.rank_pids()) == 2 and world.alive
+    labkit.shutdown_all()

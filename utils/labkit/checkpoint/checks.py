@@ -31,19 +31,10 @@ SHARD_NAMES = ("model.bin", "optimizer.bin")
 
 
 def call(world, fn, args=(), shares=None, ranks=None, timeout=None):
-    """world.call(fn, args) (or world.run_each(fn, shares, *args)), started once more if the
-    world's ranks were dead when it began: under `labkit grade`, stopping one world of a
-    submission can stop the ranks of another (see the report of chapter 8); the retry restarts
-    it. A rank that dies in the call again is reported."""
-    from labkit.errors import RankDied
-    for attempt in (0, 1):
-        try:
-            if shares is not None:
-                return world.run_each(fn, shares, *args, timeout=timeout)
-            return world.call(fn, args=tuple(args), ranks=ranks, timeout=timeout)
-        except RankDied:
-            if attempt:
-                raise
+    """world.call(fn, args), or world.run_each(fn, shares, *args) when shares are given."""
+    if shares is not None:
+        return world.run_each(fn, shares, *args, timeout=timeout)
+    return world.call(fn, args=tuple(args), ranks=ranks, timeout=timeout)
 
 
 def _sha(data: bytes) -> str:

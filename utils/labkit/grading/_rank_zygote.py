@@ -96,6 +96,7 @@ def main():
     import torch  # noqa: F401  (the point of this process: imported once, before any fork)
     import torch._dynamo  # noqa: F401  (an optimizer's first step would import it in each rank)
     import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401  (chapters 8 and 9)
     from labkit.runtime import worker  # noqa: F401
     signal.signal(signal.SIGCHLD, lambda *_: None)       # wake select() when a rank ends
     _reply(control, {"ready": os.getpid()})
