@@ -114,7 +114,7 @@ def check_one_synchronisation(world, step_fn, microbatches=3, timeout=60):
     case, shares, _ = accumulation_case(P, f"accumulation traffic, P={P}", microbatches)
     model = dp.make_model(0, hidden=HIDDEN_TASK1)
     n_params = sum(p.numel() for p in model.parameters())
-    one_sync, small = calibrate_all_reduce(world, [n_params, 2], timeout)
+    one_sync, small = calibrate_all_reduce(world, [n_params, 2], timeout, task=step_fn)
     results, traffic = _run_accumulation(world, step_fn, shares, timeout, measure=True)
     checks.one_result_per_rank(results, P, case, what="the step")
     sent = [end - start for start, end in zip(traffic.marks["step starts"]["sent"],
@@ -132,9 +132,10 @@ def check_one_synchronisation(world, step_fn, microbatches=3, timeout=60):
     return sent
 
 
-def _calibration_program(share):
+def _calibration_program(share, task=None):
     """On a rank: an async all_reduce (as DDP and the labs' synchronisers issue them) of float64
-    tensors of the given sizes, a mark after each."""
+    tensors of the given sizes, a mark after each. `task` is not used: passing the task under
+    test makes `labkit grade` run this call on the same ranks as the graded one."""
     import labkit
     import torch.distributed as dist
     for index, n in enumerate(share):
@@ -144,11 +145,13 @@ def _calibration_program(share):
     return True
 
 
-def calibrate_all_reduce(world, sizes, timeout=60):
+def calibrate_all_reduce(world, sizes, timeout=60, task=None):
     """Bytes each rank sends for one all_reduce of float64 tensors of each size, measured on this
-    world as it is (teaching mode's checks included). Returns one list per size, indexed by rank."""
+    world as it is (teaching mode's checks included). Returns one list per size, indexed by rank.
+    `task`: the function or class under test, so that a grader runs this call on the ranks it
+    runs the student's calls on (this program never calls it)."""
     with world.traffic() as traffic:
-        world.run_each(_calibration_program, [list(sizes)] * world.size, timeout=timeout)
+        world.run_each(_calibration_program, [list(sizes)] * world.size, task, timeout=timeout)
     previous, out = [0] * world.size, []
     for index in range(len(sizes)):
         now = traffic.marks[f"calibration {index}"]["sent"]

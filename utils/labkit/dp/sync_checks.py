@@ -61,13 +61,22 @@ def check_sync_values(world, sync_class, timeout=90, **case_keywords):
 
 # ---- marks inside the last backward -------------------------------------------------------------
 
-def _written() -> int:
-    """Bytes this process has written so far (sockets, pipes), from /proc/self/io."""
-    with open("/proc/self/io", "rb") as f:
+def _progress():
+    """("self", bytes this process has written) from /proc/self/io, or, where that is not
+    readable (a grader's sandbox), ("all", bytes sent on this network namespace's loopback)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return "self", int(line.split()[1])
+    except OSError:
+        pass
+    with open("/proc/self/net/dev") as f:
         for line in f:
-            if line.startswith(b"wchar:"):
-                return int(line.split()[1])
-    return 0
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return "all", int(rest.split()[8])
+    return "all", 0
 
 
 def marked_step(share, sync_class):
@@ -76,8 +85,10 @@ def marked_step(share, sync_class):
     Returns the gradients read back from the model.
 
     Before an inner mark the rank waits, at most WAIT_SECONDS, until it has written the bytes
-    the checker expects by then (`share["waits"]`): how fast the machine runs gloo's threads then
-    does not decide what is counted. The counting itself happens outside the rank."""
+    the checker expects by then (`share["waits"]`; in a sandbox where /proc/self/io is closed,
+    until the ranks' loopback carried what all ranks should have sent, `share["waits_all"]`):
+    how fast the machine runs gloo's threads then does not decide what is counted. The counting
+    that is judged happens outside the rank."""
     import labkit
     import torch.distributed as dist
     model = training.build_model(share["model"], labkit.device())
@@ -87,7 +98,11 @@ def marked_step(share, sync_class):
     def mark_at(label):
         def hook(grad):
             deadline = time.monotonic() + WAIT_SECONDS
-            while _written() - start[0] < share["waits"][label] and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                kind, now = _progress()
+                target = share["waits"][label] if kind == "self" else share["waits_all"][label]
+                if now - start[0] >= target:
+                    break
                 time.sleep(0.002)
             labkit.mark(label)
         return hook
@@ -101,7 +116,7 @@ def marked_step(share, sync_class):
         block.register_forward_pre_hook(at_input(k))
     pieces, R = share["microbatches"], dist.get_world_size()
     labkit.mark("step starts")
-    start[0] = _written()
+    start[0] = _progress()[1]
     for m, piece in enumerate(pieces):
         armed[0] = m == len(pieces) - 1
         with contextlib.nullcontext() if armed[0] else sync.no_sync():
@@ -125,7 +140,8 @@ def check_sync_buckets(world, sync_class, bucket_bytes, layers=3, hidden=16, mic
     model = training.build_model(spec)
     sizes = dict((name, p.numel()) for name, p in model.named_parameters())
     buckets = expected_buckets(model, bucket_bytes)
-    calibrated = calibrate_all_reduce(world, [sum(sizes[n] for n in b) for b in buckets], timeout)
+    calibrated = calibrate_all_reduce(world, [sum(sizes[n] for n in b) for b in buckets], timeout,
+                                      task=sync_class)
     expected = {}                                     # label -> bytes per rank
     for k in range(layers):
         ready = {n for n in sizes if n.startswith("head.") or
@@ -139,7 +155,8 @@ def check_sync_buckets(world, sync_class, bucket_bytes, layers=3, hidden=16, mic
                for _ in range(microbatches)] for _ in range(P)]
     tokens = sum(dp.count_tokens(p) for rank in pieces for p in rank)
     shares = [{"model": spec, "bucket_bytes": bucket_bytes, "microbatches": pieces[r],
-               "tokens": tokens, "waits": {label: 0.9 * v[r] for label, v in expected.items()}}
+               "tokens": tokens, "waits": {label: 0.9 * v[r] for label, v in expected.items()},
+               "waits_all": {label: 0.9 * sum(v) for label, v in expected.items()}}
               for r in range(P)]
     with world.traffic() as traffic:
         grads = world.run_each(marked_step, shares, sync_class, timeout=timeout)
