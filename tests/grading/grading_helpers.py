@@ -37,11 +37,12 @@ def strip_hidden(source):
     return "\n".join(out)
 
 
-def make_submission(course, folder, student, answers=None, edit=None):
-    """Write folder/<student>/labfx.ipynb: answers maps grade_id -> source (default: solved);
-    `edit(nb)` may change the notebook further (insert cells, tamper with tests...)."""
-    nb = nbformat.read(os.path.join(course, "solutions", LAB, f"{LAB}.ipynb"), as_version=4)
-    answers = dict(SOLVED, **(answers or {}))
+def make_submission(course, folder, student, answers=None, edit=None, lab=LAB, solved=None):
+    """Write folder/<student>/<lab>.ipynb from the lab's source: answers maps grade_id -> source
+    (default: `solved`, the fixture lab's answers), test cells as released (hidden tests
+    stripped); `edit(nb)` may change the notebook further (insert cells, tamper with tests...)."""
+    nb = nbformat.read(os.path.join(course, "solutions", lab, f"{lab}.ipynb"), as_version=4)
+    answers = dict(SOLVED if solved is None else solved, **(answers or {}))
     for cell in nb.cells:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("solution"):
@@ -51,7 +52,7 @@ def make_submission(course, folder, student, answers=None, edit=None):
     if edit:
         edit(nb)
     os.makedirs(os.path.join(folder, student), exist_ok=True)
-    nbformat.write(nb, os.path.join(folder, student, f"{LAB}.ipynb"))
+    nbformat.write(nb, os.path.join(folder, student, f"{lab}.ipynb"))
 
 
 def insert_cell(nb, after_grade_id, source):

@@ -4,10 +4,9 @@ each with the exact score its code earned. ring_sum: values 2 points, traffic 1;
 import os
 import shutil
 
-import nbformat
 import pytest
 
-from grading_helpers import FIXTURES, needs_root_sandbox, strip_hidden
+from grading_helpers import FIXTURES, insert_cell, make_submission, needs_root_sandbox
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]
@@ -129,23 +128,6 @@ SUBMISSIONS = {   # name: (ring answer, async answer, scratch cell, exact score)
 }
 
 
-def _submission(course, folder, student, ring, overlap, scratch):
-    nb = nbformat.read(os.path.join(course, "solutions", LAB, f"{LAB}.ipynb"), as_version=4)
-    answers = {"task_ring": ring, "task_async": overlap}
-    for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("solution"):
-            cell.source = answers[meta["grade_id"]]
-        elif meta.get("grade"):
-            cell.source = strip_hidden(cell.source)
-    if scratch:
-        index = next(i for i, c in enumerate(nb.cells)
-                     if c.metadata.get("nbgrader", {}).get("grade_id") == "setup")
-        nb.cells.insert(index + 1, nbformat.v4.new_code_cell(scratch))
-    os.makedirs(os.path.join(folder, student))
-    nbformat.write(nb, os.path.join(folder, student, f"{LAB}.ipynb"))
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     from labkit.grading import grade
@@ -153,7 +135,10 @@ def graded(tmp_path_factory):
     shutil.copytree(os.path.join(FIXTURES, "solutions", LAB), course / "solutions" / LAB)
     subs = tmp_path_factory.mktemp("submissions")
     for student, (ring, overlap, scratch, _) in SUBMISSIONS.items():
-        _submission(str(course), str(subs), student, ring, overlap, scratch)
+        make_submission(str(course), str(subs), student, lab=LAB,
+                        solved={"task_ring": ring, "task_async": overlap},
+                        edit=(lambda nb, code=scratch: insert_cell(nb, "setup", code))
+                        if scratch else None)
     out = str(tmp_path_factory.mktemp("out"))
     return grade(LAB, str(subs), jobs=2, out=out, course=str(course), time_limit=240,
                  cell_timeout=30)
