@@ -45,7 +45,7 @@ def _hint(got, expected, share, others, op, length, P) -> str:
         return f"the tensor came back as {got.dtype}: keep the dtype ({expected.dtype})"
     wrong = (got != expected).nonzero().flatten()
     first = int(wrong[0])
-    base, extra = divmod(length, P)
+    base = length // P
     if length % P and first >= P * base:
         return ("the wrong entries are the last ones: when P does not divide the length, the "
                 "first N % P chunks get one element more; do the chunks cover every element?")
@@ -54,8 +54,8 @@ def _hint(got, expected, share, others, op, length, P) -> str:
                 "tensor.view(-1); add_/copy_ into slices of flat), do not rebind the name")
     if op == "max" and torch.equal(got, checks.reduce(others, "sum")):
         return "op='max' came back as a sum: apply the op you were given"
-    starts = [i * base + min(i, extra) for i in range(P + 1)]
-    chunk = next(i for i in range(P) if starts[i] <= first < starts[i + 1])
+    ends = [sum(_chunk_sizes(length, P)[:i + 1]) for i in range(P)]      # where chunk i ends
+    chunk = next(i for i in range(P) if first < ends[i])
     return (f"the first wrong element is in chunk {chunk} of {P}: check which chunk each step "
             "sends and which it receives, and that every chunk is reduced P - 1 times")
 

@@ -33,7 +33,8 @@ def expected_buckets(model, bucket_bytes: int) -> list:
     """The lab's bucket rule: one list of parameter names per bucket, in sending order."""
     names = {id(p): name for name, p in model.named_parameters()}
     buckets, current, size = [], [], 0
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable[::-1]:                                 # backward's order here
         current.append(names[id(p)])
         size += p.numel() * p.element_size()
         if size >= bucket_bytes:
