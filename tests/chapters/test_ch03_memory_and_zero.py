@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import labkit
+from lab_notebooks import answer_cells
 from labkit.memory import activations, bench, checks, ledger, measure, zero, zero_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,14 +23,8 @@ FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,
 
 def _answer_cells() -> dict:
     """Every answer cell of the lab's solution notebook, executed in one namespace."""
-    import nbformat
-    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "math": math, "checks": checks,
-                 "zero": zero, "measure": measure, "ledger": ledger, "__name__": "__main__"}
-    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("solution"):
-            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
-    return namespace
+    return answer_cells(LAB, torch=torch, dist=dist, labkit=labkit, math=math, checks=checks,
+                        zero=zero, measure=measure, ledger=ledger)
 
 
 REF = _answer_cells()

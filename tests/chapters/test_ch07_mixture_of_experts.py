@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import labkit
+from lab_notebooks import answer_cells
 from labkit import checks as lab_checks
 from labkit import moe
 from labkit.moe import checks, ep, fp8
@@ -26,14 +27,8 @@ FEW = settings(max_examples=12, derandomize=True, deadline=None, database=None,
 
 def _answer_cells() -> dict:
     """Every answer cell of the lab's solution notebook, executed in one namespace."""
-    import nbformat
-    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "moe": moe, "ep": ep, "fp8": fp8,
-                 "checks": checks, "__name__": "__main__"}
-    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("solution"):
-            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
-    return namespace
+    return answer_cells(LAB, torch=torch, dist=dist, labkit=labkit, moe=moe, ep=ep, fp8=fp8,
+                        checks=checks)
 
 
 REF = _answer_cells()

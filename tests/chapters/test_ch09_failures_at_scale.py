@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import labkit
+from lab_notebooks import answer_cells
 from labkit import checks as lab_checks
 from labkit.faults import checks, checks_resume, detect, elastic, hang, spikes, traces
 
@@ -23,14 +24,8 @@ FEW = settings(max_examples=25, derandomize=True, deadline=None, database=None,
 
 def _answer_cells() -> dict:
     """Every answer cell of the lab's solution notebook, executed in one namespace."""
-    import nbformat
-    namespace = {"torch": torch, "labkit": labkit, "detect": detect, "spikes": spikes,
-                 "traces": traces, "copy": copy, "math": math, "__name__": "__main__"}
-    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("solution"):
-            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
-    return namespace
+    return answer_cells(LAB, torch=torch, labkit=labkit, detect=detect, spikes=spikes,
+                        traces=traces, copy=copy, math=math)
 
 
 REF = _answer_cells()
