@@ -415,6 +415,16 @@ TASK3_WRONG = {
          "            raise RuntimeError('a parameter got no gradient')   # the step's state stays\n"
          "        try:\n            while self.next_to_send < len(self.buckets):\n"),
         {"test_task3_missing_gradients_and_failures"}),
+    "averages never divided by the world size": (
+        ("                flat = self.flats[i] / self.world_size\n",
+         "                flat = self.flats[i].clone()\n"),
+        set(TASK3)),
+    "every bucket all-reduced twice (right values, twice the bytes)": (
+        ("        self.in_flight.append((i, dist.all_reduce(flat, async_op=True)))\n",
+         "        dist.all_reduce(flat)\n"
+         "        flat /= self.world_size\n"
+         "        self.in_flight.append((i, dist.all_reduce(flat, async_op=True)))\n"),
+        {"test_task3_buckets"}),
     "no_sync ignored": (
         ("        previous, self.syncing = self.syncing, False\n",
          "        previous = self.syncing\n"),
