@@ -10,12 +10,15 @@ its share of the result: the tp shard (`model.local_shard`) or the whole replica
 
 The bytes between every pair of ranks are counted outside the ranks and summed by how the two
 ranks relate: same tp group, same pp group, same dp group, or none (nothing may flow there).
-Each sum must carry nearly (90% of) what the algorithm must move (chapter 4's tensor-parallel
+Each sum must carry at least half of what the algorithm must move (chapter 4's tensor-parallel
 all-reduces, chapter 5's activations and gradients, ZeRO-1's reduce-scatter and all-gather of the
 stage's local parameters, the tied embedding's all-reduce) and not much more: the allowance is the
 one-time scatter of the tp shards when the stage is split, gloo's framing (~0.6 KB per all-reduce
 of two ranks, measured), 10%, and 16 KB per rank for creating process groups, which talks to the
-rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank).
+rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank),
+plus a quarter of all the payloads: the operating system's counters, read on a loaded machine,
+have been seen to miss or misfile the bytes of one connection in a call. A dodge (no pipeline,
+no tensor parallelism, whole gradients exchanged) is off by far more than that.
 ZeRO-1 moves the bytes plain data parallelism moves (ZeRO paper, section 7): traffic cannot tell
 them apart and does not try.
 """
@@ -32,9 +35,11 @@ RTOL, ATOL = 1e-6, 1e-8        # float64: a correct step agrees to ~1e-10 after 
 ITEM = 8                       # float64 on the wire
 FRAMING = 1024                 # bytes allowed per collective or message, both ways together
 STORE = 16 * 1024              # bytes per rank allowed for talking to the rendezvous store
-LOW = 0.9                      # a relation must carry at least this share of its payload: the
-                               # counters, read on a loaded machine while connections open, have
-                               # been seen to file one message under the wrong pair
+LOW = 0.5                      # a relation must carry at least this share of its payload, and
+SPILL = 0.25                   # any relation may carry this share of all payloads more: the
+                               # counters, read on a loaded machine, have been seen to miss or
+                               # misfile one connection's bytes in a call (never more); a dodge
+                               # sends nothing where a 3D step must, or far more elsewhere
 
 
 def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="adamw") -> dict:
@@ -205,8 +210,10 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
             if a != b:
                 measured[_relation(a, b, run["dims"])] += traffic.matrix[a][b]
     problems = []
-    for relation, (payload, allowance) in expected_bytes(run).items():
-        high = payload * 1.1 + allowance + STORE * world.size
+    expected = expected_bytes(run)
+    spill = SPILL * sum(payload for payload, _ in expected.values())
+    for relation, (payload, allowance) in expected.items():
+        high = payload * 1.1 + allowance + STORE * world.size + spill
         got = measured[relation]
         if got < LOW * payload:
             problems.append(f"ranks in the same {relation} group sent {got} bytes in all, at least "
@@ -217,7 +224,7 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
             problems.append(f"{what} sent {got} bytes in all, at most {high:.0f} expected "
                             f"({payload:.0f} of data)")
     outside = max(traffic.outside)
-    if outside > 64 * 1024:
+    if outside > 64 * 1024 + spill:
         problems.append(f"a rank sent {outside} bytes to something other than a rank (group "
                         "creation talks to the rendezvous store, a few KB)")
     if problems:
