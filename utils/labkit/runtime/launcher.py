@@ -649,7 +649,7 @@ class _Marks:
                 from labkit.runtime.traffic import settle
                 snap = settle(self.world._traffic_snapshot)
                 for measure in self.world._measures:
-                    measure.record_mark(label, snap)
+                    measure.record_mark(label, snap, sorted(waiting))
             for rank in waiting:
                 try:
                     self.world._ranks[rank].commands.send(("resume",))

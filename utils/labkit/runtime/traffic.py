@@ -72,9 +72,10 @@ def sockets(netns_pid: int | None = None) -> dict[int, Socket]:
             current = None
             if match:
                 fields = dict(_FIELD.findall(line))
-                if "ino" in fields:
+                if int(fields.get("ino", 0)):        # 0: a closed socket (TIME-WAIT), no owner
                     current = int(fields["ino"])
-                    found[current] = Socket(match.group(1), match.group(2), 0, 0)
+                    found[current] = Socket(_plain_address(match.group(1)),
+                                            _plain_address(match.group(2)), 0, 0)
             continue
         if current is None:
             continue
@@ -85,6 +86,14 @@ def sockets(netns_pid: int | None = None) -> dict[int, Socket]:
         found[current].sent = found[current].wire - int(fields.get("bytes_retrans", 0))
         found[current].received = int(fields.get("bytes_received", 0))
     return found
+
+
+def _plain_address(address: str) -> str:
+    """127.0.0.1:5000 for [::ffff:127.0.0.1]:5000 (an IPv4 peer of a dual-stack socket)."""
+    if address.startswith("[::ffff:"):
+        host, _, port = address[len("[::ffff:"):].partition("]:")
+        return f"{host}:{port}"
+    return address
 
 
 def socket_inodes(pid: int) -> set[int]:
@@ -138,7 +147,10 @@ def _between(before: Snapshot, after: Snapshot, size: int):
     included, as the interface counters count them), from two snapshots."""
     matrix = [[0] * size for _ in range(size)]
     outside = [0] * size
-    by_address = {s.local: inode for inode, s in after.sockets.items()}
+    # a connection is its pair of addresses: the other end of (local, peer) is (peer, local).
+    # (A local address alone is not enough: once a listener has closed, another rank may listen
+    # on the same port, and two processes then hold sockets with the same local address.)
+    by_pair = {(s.local, s.peer): inode for inode, s in after.sockets.items()}
     carried = 0
     for inode, sock in after.sockets.items():
         earlier = before.sockets.get(inode)
@@ -149,7 +161,7 @@ def _between(before: Snapshot, after: Snapshot, size: int):
         rank = after.owner.get(inode, before.owner.get(inode))
         if rank is None:
             continue
-        peer_inode = by_address.get(sock.peer)
+        peer_inode = by_pair.get((sock.peer, sock.local))
         peer = None if peer_inode is None else after.owner.get(peer_inode,
                                                                before.owner.get(peer_inode))
         if peer is None:
@@ -208,10 +220,17 @@ class Traffic:
         self.world._measures.append(self)
         return self
 
-    def record_mark(self, label: str, snap: Snapshot):
+    def record_mark(self, label: str, snap: Snapshot, ranks=None):
+        """The counts at a mark, for the ranks that reached it in this wave (`ranks`; all by
+        default): a rank that reaches it later gets its own row from a later snapshot."""
         matrix, outside, _ = _between(self._start, snap, self.size)
-        self.marks[label] = {"matrix": matrix, "outside": outside,
-                             "sent": [sum(r) + o for r, o in zip(matrix, outside)]}
+        entry = self.marks.setdefault(label, {"matrix": [[0] * self.size for _ in matrix],
+                                              "outside": [0] * self.size,
+                                              "sent": [0] * self.size})
+        for r in (range(self.size) if ranks is None else ranks):
+            entry["matrix"][r] = matrix[r]
+            entry["outside"][r] = outside[r]
+            entry["sent"][r] = sum(matrix[r]) + outside[r]
 
     def __exit__(self, *exc):
         self.world._measures.remove(self)
