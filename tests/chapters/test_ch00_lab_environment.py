@@ -3,17 +3,15 @@ test cells (visible and hidden lines, run outside nbgrader) failing each wrong a
 of its task: a vague error message, a mean of per-rank means, a float32 sum, a rank that skips the
 collective, no error when nobody holds a value."""
 import sys
-from pathlib import Path
 
 import cloudpickle
 import pytest
 
+import lab_notebooks
 import labkit
 from labkit import basics
 
-ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab00_first_collectives"
-SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
@@ -56,25 +54,7 @@ def test_mean_cases_are_uneven_and_fresh():
 # ---- lab 0 through its own test cells ------------------------------------------------------------
 
 def run_lab(test_ids, answers=None):
-    """Run the solution's parameters, setup and answer cells (`answers` replaces sources by
-    grade_id), then the test cells `test_ids`; {test_id: None or the error}."""
-    import nbformat
-    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c
-             for c in nbformat.read(str(SOLUTION), as_version=4).cells}
-    namespace = {"__name__": "__main__"}
-    for grade_id in ("parameters", "setup"):
-        exec(compile(cells[grade_id].source, grade_id, "exec"), namespace)
-    for grade_id, cell in cells.items():
-        if cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(compile((answers or {}).get(grade_id, cell.source), grade_id, "exec"), namespace)
-    outcome = {}
-    for test_id in test_ids:
-        try:
-            exec(compile(cells[test_id].source, test_id, "exec"), namespace)
-            outcome[test_id] = None
-        except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
-            outcome[test_id] = error
-    return outcome
+    return lab_notebooks.run_lab(LAB, test_ids, answers)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,20 +5,18 @@ hidden lines, run outside nbgrader). The suite's `labkit grade` test gives the s
 import math
 import sys
 import threading
-from pathlib import Path
 
 import cloudpickle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lab_notebooks
 import labkit
 from labkit import collectives
 from labkit.collectives import checks, selfcheck
 
-ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab01_collectives"
-SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank programs defined here
 
 ranks = st.integers(min_value=1, max_value=4096)
@@ -123,36 +121,13 @@ def test_payload_tables_are_the_algorithms():
 
 # ---- lab 1 through its own test cells --------------------------------------------------------
 
-def _cells():
-    import nbformat
-    return nbformat.read(str(SOLUTION), as_version=4).cells
-
-
 def run_lab(test_ids, answers=None):
-    """Run the solution notebook's parameters and setup cells, its answer cells (`answers`:
-    grade_id -> replacement source), then the test cells `test_ids`, visible and hidden lines.
-    Returns {test_id: None if it passed, else the error}."""
-    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c for c in _cells()}
-    namespace = {"__name__": "__main__"}
-    for grade_id in ("parameters", "setup"):
-        exec(compile(cells[grade_id].source, grade_id, "exec"), namespace)
-    for grade_id, cell in cells.items():
-        if cell.metadata.get("nbgrader", {}).get("solution"):
-            source = (answers or {}).get(grade_id, cell.source)
-            exec(compile(source, grade_id, "exec"), namespace)
-    outcome = {}
-    for test_id in test_ids:
-        try:
-            exec(compile(cells[test_id].source, test_id, "exec"), namespace)
-            outcome[test_id] = None
-        except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
-            outcome[test_id] = error
-    return outcome
+    """The lab's own test cells, visible and hidden lines, outside nbgrader (lab_notebooks)."""
+    return lab_notebooks.run_lab(LAB, test_ids, answers)
 
 
 def _answer(grade_id):
-    return next(c.source for c in _cells()
-                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return lab_notebooks.answer(LAB, grade_id)
 
 
 TASK1 = ["test_task1_ring_values", "test_task1_ring_any_world", "test_task1_ring_traffic"]

@@ -4,7 +4,6 @@ lines, run outside nbgrader) failing each wrong answer issue 12 names in the cel
 import contextlib
 import math
 import sys
-from pathlib import Path
 
 import cloudpickle
 
@@ -13,13 +12,12 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import lab_notebooks
 import labkit
 from labkit import dp
 from labkit.dp import placement, training
 
-ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab02_data_parallel"
-SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank programs defined here
 FEW = settings(max_examples=6, derandomize=True, deadline=None, database=None,
                suppress_health_check=list(HealthCheck))
@@ -178,15 +176,8 @@ def test_placement_harness_runs_a_rank_without_gradients(world):
 
 def _solution_namespace():
     """The answer cells of lab 2's solution, executed as a notebook would (instructor side)."""
-    import contextlib
-    import nbformat
-    namespace = {"torch": torch, "dist": dist, "labkit": labkit, "dp": dp, "math": math,
-                 "placement": placement, "contextlib": contextlib, "__name__": "__main__"}
-    for cell in nbformat.read(str(SOLUTION), as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("solution") and not meta.get("grade"):
-            exec(compile(cell.source, f"{SOLUTION.name}:{meta['grade_id']}", "exec"), namespace)
-    return namespace
+    return lab_notebooks.answer_cells(LAB, torch=torch, dist=dist, labkit=labkit, dp=dp,
+                                      math=math, placement=placement, contextlib=contextlib)
 
 
 @pytest.fixture(scope="module")
@@ -279,36 +270,13 @@ def test_reference_sync_names_a_missing_no_sync_and_recovers(reference):
 
 # ---- lab 2 through its own test cells ------------------------------------------------------------
 
-def _cells():
-    import nbformat
-    return nbformat.read(str(SOLUTION), as_version=4).cells
-
-
 def run_lab(test_ids, answers=None):
-    """Run the solution's parameters and setup cells, its answer cells (`answers`: grade_id ->
-    replacement source), then the test cells `test_ids`, visible and hidden lines.
-    Returns {test_id: None if it passed, else the error}."""
-    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c for c in _cells()}
-    namespace = {"__name__": "__main__"}
-    for grade_id in ("parameters", "setup"):
-        exec(compile(cells[grade_id].source, grade_id, "exec"), namespace)
-    for grade_id, cell in cells.items():
-        if cell.metadata.get("nbgrader", {}).get("solution"):
-            source = (answers or {}).get(grade_id, cell.source)
-            exec(compile(source, grade_id, "exec"), namespace)
-    outcome = {}
-    for test_id in test_ids:
-        try:
-            exec(compile(cells[test_id].source, test_id, "exec"), namespace)
-            outcome[test_id] = None
-        except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
-            outcome[test_id] = error
-    return outcome
+    """The lab's own test cells, visible and hidden lines, outside nbgrader (lab_notebooks)."""
+    return lab_notebooks.run_lab(LAB, test_ids, answers)
 
 
 def _answer(grade_id):
-    return next(c.source for c in _cells()
-                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return lab_notebooks.answer(LAB, grade_id)
 
 
 def _failed(outcome):

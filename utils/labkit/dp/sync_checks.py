@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import torch
-
 from labkit import checks, dp
 from labkit.dp import training
 from labkit.dp.checks import calibrate_all_reduce
