@@ -25,7 +25,8 @@ def __getattr__(name):
     if name in ("world", "World", "current", "shutdown_all", "max_world_size", "gpu_count"):
         from labkit.runtime import launcher as _launcher
         return getattr(_launcher, name)
-    if name in TOPICS or name in ("checks", "formulas", "errors", "runtime", "tools", "grading"):
+    if name in TOPICS or name in ("basics", "checks", "formulas", "errors", "runtime", "tools",
+                                  "grading"):
         import importlib
         return importlib.import_module(f"labkit.{name}")
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
