@@ -15,6 +15,11 @@ counted.
 is the worst element's). `bound="upper"` checks measured <= predicted (within the tolerance), and
 `bound="lower"` measured >= predicted: for formulas that are limits (the most microbatches alive,
 the least bytes a split must move).
+
+`timing=True` marks a check of a time (seconds, bandwidth) measured on a machine others share:
+it is recorded and shown with its error like any other, but one outside its tolerance does not
+raise (a loaded machine is not a wrong formula); the ledger lists it as "off (timing)". Bytes,
+counts and values are never timings.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class FormulaCheck:
     source: str
     worst_error: float          # relative error of the worst element (inf where predicted is 0)
     passed: bool
+    timing: bool = False        # a time on a shared machine: shown, never raised
 
     def as_record(self) -> dict:
         record = dataclasses.asdict(self)
@@ -55,7 +61,7 @@ class FormulaCheck:
                 return f"{values[0]:.6g}{(' ' + self.unit) if self.unit else ''}"
             return f"[{', '.join(f'{v:.4g}' for v in values[:6])}{', ...' if len(values) > 6 else ''}]" \
                    f"{(' ' + self.unit) if self.unit else ''}"
-        mark = "ok  " if self.passed else "FAIL"
+        mark = "ok  " if self.passed else ("off " if self.timing else "FAIL")
         relation = {None: "", "upper": " (an upper bound)", "lower": " (a lower bound)"}[self.bound]
         tolerance = []
         if self.rel_tol:
@@ -92,7 +98,8 @@ def _within(predicted: float, measured: float, rel_tol: float, abs_tol: float,
 
 
 def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
-             bound: str | None = None, unit: str = "", source: str = "") -> FormulaCheck:
+             bound: str | None = None, unit: str = "", source: str = "",
+             timing: bool = False) -> FormulaCheck:
     """The check as data, without printing or raising (what `check` records)."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("formulas.check: name the formula (a non-empty string)")
@@ -113,11 +120,12 @@ def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: floa
                   for p, m in zip(predicted, measured)]
         worst = max(errors)
     return FormulaCheck(name.strip(), predicted, measured, float(rel_tol), float(abs_tol), bound,
-                        unit, source, worst, passed)
+                        unit, source, worst, passed, bool(timing))
 
 
 def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
-          bound: str | None = None, unit: str = "", source: str = "") -> FormulaCheck:
+          bound: str | None = None, unit: str = "", source: str = "",
+          timing: bool = False) -> FormulaCheck:
     """Record a formula checked against a measurement; raise FormulaMismatch if it fails.
 
     name: what the formula gives ("ring all-reduce: bytes sent per rank").
@@ -125,11 +133,12 @@ def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float =
     rel_tol, abs_tol: the stated tolerance (a value passes within either); both 0 means exact.
     bound: None (equal), "upper" (measured <= predicted) or "lower" (measured >= predicted).
     unit: shown after the numbers ("B", "s", "GB/s"). source: where the formula comes from
-    (a paper, a section), shown in the ledger.
+    (a paper, a section), shown in the ledger. timing: a time measured on a shared machine
+    (recorded, never raised; see the module docstring).
     """
-    result = evaluate(name, predicted, measured, rel_tol, abs_tol, bound, unit, source)
+    result = evaluate(name, predicted, measured, rel_tol, abs_tol, bound, unit, source, timing)
     _publish(result)
-    if not result.passed:
+    if not result.passed and not result.timing:
         raise FormulaMismatch(result.line() + ". The measurement and the formula disagree: "
                               "check the inputs of the formula, then what was measured.")
     return result

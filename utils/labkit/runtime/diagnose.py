@@ -130,7 +130,9 @@ def _missing(waiting, answers, exited):
             if rank in exited or answer is None or issued < seq:
                 absent.append(rank)
         if absent:
-            who = ", ".join(map(str, absent))
+            # a rank that raised or died is named with what happened to it: it never issued
+            # the collective because it had stopped, not because its code skipped it
+            who = ", ".join(f"{r} ({exited[r]})" if r in exited else str(r) for r in absent)
             verdicts.append(f"=> rank{'s' if len(absent) > 1 else ''} {who} never issued {op} #{seq} "
                             f"on ranks {list(group)}, which rank"
                             f"{'s' if len(waiters) > 1 else ''} "

@@ -1,0 +1,40 @@
+"""labkit.formulas: the ledger's checks raise on a wrong formula, record what they compared."""
+import math
+
+import nbformat
+import pytest
+
+from labkit import formulas
+
+
+def test_a_check_passes_within_its_tolerance_and_raises_outside():
+    assert formulas.check("x", 100, 100.5, rel_tol=0.01).passed
+    with pytest.raises(formulas.FormulaMismatch, match=r"predicted 100, measured 110; error 10"):
+        formulas.check("x", 100, 110, rel_tol=0.01)
+    assert formulas.check("exact", 3, 3).worst_error == 0
+
+
+def test_bounds_and_sweeps():
+    assert formulas.evaluate("most alive", 4, 3, bound="upper").passed
+    assert not formulas.evaluate("most alive", 4, 5, bound="upper").passed
+    assert formulas.evaluate("least bytes", 10, 12, bound="lower").passed
+    sweep = formulas.evaluate("sweep", [1, 2, 4], [1, 2.1, 4], rel_tol=0.1)
+    assert sweep.passed and math.isclose(sweep.worst_error, 0.05)
+    assert not formulas.evaluate("nan", 1.0, float("nan"), rel_tol=1).passed
+    with pytest.raises(ValueError, match="2 predicted values but 3 measured"):
+        formulas.evaluate("x", [1, 2], [1, 2, 3])
+    with pytest.raises(TypeError):
+        formulas.evaluate("x", "many", 1)
+
+
+def test_a_timing_outside_its_tolerance_is_recorded_not_raised():
+    result = formulas.check("busbw", 1e9, 3e8, rel_tol=0.5, unit="B/s", timing=True)
+    assert not result.passed and result.timing and "off" in result.line()
+
+
+def test_records_are_read_back_from_an_executed_notebook():
+    record = formulas.evaluate("ring bytes", 8, 8.01, rel_tol=0.01).as_record()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "x", outputs=[nbformat.v4.new_output("display_data", data={
+            "text/plain": "[formula ok  ] ...", formulas.MIME: record})])])
+    assert formulas.records_in_notebook(nb) == [record]
