@@ -65,14 +65,22 @@ def explorer(P=8, n_bytes=1e6, alpha=5e-6, beta=1e-10):
     out = widgets.Output()
 
     def update(_=None):
+        # The figure goes into the Output widget as a PNG (append_display_data), not by capturing
+        # plt.show() inside `with out:`: headless runners (papermill) follow captured output
+        # message by message, and a capture once held a cell until its time limit.
+        import io
+
+        from IPython.display import Image
         P_, n_ = p_slider.value, 10 ** size_slider.value
         a_, b_ = alpha_slider.value * 1e-6, 1 / (bandwidth_slider.value * 1e9)
-        with out:
-            out.clear_output(wait=True)
-            print(_report(P_, n_, a_, b_))
-            fig, ax = plt.subplots(figsize=(6, 3.5))
-            _plot(P_, n_, a_, b_, ax)
-            plt.show()
+        out.outputs = ()
+        out.append_stdout(_report(P_, n_, a_, b_) + "\n")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        _plot(P_, n_, a_, b_, ax)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        out.append_display_data(Image(data=png.getvalue(), format="png"))
 
     for slider in (p_slider, size_slider, alpha_slider, bandwidth_slider):
         slider.observe(update, names="value")
