@@ -31,21 +31,95 @@ def global_mean(local_values):
         "if p < 1 or m < 1:", "if p < 2 or m < 1:")),
 }
 
+# Issue 11's classes of forged or dodged answers, graded in the same run as the solution: {lab:
+# {student: (answer cell's grade_id, a function of the solution's source, a scratch cell or None,
+# the exact score)}. Lab 1's ring is 5 of its 10 points (values 2, any world 1, traffic 2).
+_RING = "def ring_all_reduce(tensor, op=\"sum\"):\n"
+_OPS = "    if op not in (\"sum\", \"max\"):\n        raise ValueError(op)\n"
+ATTACKS = {
+    "lab01_collectives": {
+        # 1: the grader's helper in the kernel replaced; it hands over, for every task name, a
+        # function that needs no communication
+        "forged_plumbing": ("task1_ring_all_reduce", lambda source: source, '''
+import types, cloudpickle
+import labkit.grading._kernel_side as real_helper
+def without_talking(tensor, *rest, **more):
+    return tensor.mul_(dist.get_world_size()) if hasattr(tensor, "mul_") else 0.0
+forged = types.ModuleType("forged")
+forged.export = lambda names: real_helper._send(
+    {n: {"kind": "callable", "blob": cloudpickle.dumps(without_talking)} for n in names})
+__labkit_grading__ = forged''', 0),
+        # 2: every rank's input recomputed from the first edition's rule, no communication
+        "predicted_inputs": ("task1_ring_all_reduce", lambda _: _RING + '''
+    total = torch.zeros_like(tensor)
+    for r in range(dist.get_world_size()):
+        g = torch.Generator().manual_seed(1000 * r + tensor.numel())
+        total += torch.randint(-20, 21, tensor.shape, generator=g).to(tensor.dtype)
+    tensor.copy_(total)
+    return tensor''', None, 5),
+        # 3: the work done by a collective, the records rewritten to look like a ring
+        "forged_records": ("task1_ring_all_reduce", lambda _: _RING + _OPS + '''
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    from labkit.runtime import hooks
+    for record in list(hooks.STATE.records or []) + list(hooks.STATE.recent):
+        record["op"] = "isend"
+    return tensor''', None, 8),
+        # 3: the work through a ProcessGroup method, dummy messages of the ring's sizes
+        "process_group": ("task1_ring_all_reduce", lambda _: _RING + _OPS + '''
+    P, rank = dist.get_world_size(), dist.get_rank()
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    dist.group.WORLD.allreduce([tensor], options).wait()
+    chunk = torch.zeros(-(-tensor.numel() // P), dtype=tensor.dtype)
+    for _ in range(2 * (P - 1)):
+        sending = dist.isend(chunk, (rank + 1) % P)
+        dist.irecv(torch.empty_like(chunk), (rank - 1) % P).wait()
+        sending.wait()
+    return tensor''', None, 8),
+        # 4: nothing done, nothing returned
+        "empty": ("task1_ring_all_reduce", lambda _: _RING + "    return None", None, 5),
+        # 5: the ring right, its sums in float32 (exact for small integers only): the traffic
+        # test checks the values of the same call, so all five ring points are lost
+        "narrow": ("task1_ring_all_reduce", lambda source: source.replace(
+            "mine.add_(received)", "mine.copy_((mine.float() + received.float()).to(mine.dtype))"),
+            None, 5),
+    },
+    # 6: a synchroniser that sends everything from finish(): nothing on the wire during backward
+    "lab02_data_parallel": {
+        "no_overlap": ("task3_bucketed_grad_sync", lambda source: source.replace(
+            "        while self.next_to_send < len(self.buckets) and "
+            "self.missing[self.next_to_send] == 0:\n            self._send(self.next_to_send)\n",
+            "        pass                                   # everything is sent from finish()\n"),
+            None, 12),
+    },
+}
+
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]
 
 
-def as_submitted(source: Path, answers: dict | None = None) -> nbformat.NotebookNode:
+def as_submitted(source: Path, answers: dict | None = None,
+                 scratch: str | None = None) -> nbformat.NotebookNode:
     """The lab as a student hands it in: the source's answer cells (or `answers`: grade_id ->
-    function of the source), the test cells as released (hidden tests stripped)."""
+    function of the source), the test cells as released (hidden tests stripped), and a scratch
+    cell of the student's after the setup cells."""
     nb = nbformat.read(str(source), as_version=4)
+    if scratch:
+        last_setup = max(i for i, c in enumerate(nb.cells)
+                         if c.metadata.get("nbgrader", {}).get("locked")
+                         and not c.metadata["nbgrader"].get("grade")
+                         and c.metadata["nbgrader"].get("grade_id") != "teardown"
+                         and i < next(j for j, d in enumerate(nb.cells)
+                                      if d.metadata.get("nbgrader", {}).get("solution")))
+        nb.cells.insert(last_setup + 1, nbformat.v4.new_code_cell(scratch))
     for cell in nb.cells:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("grade") and not meta.get("solution"):
             cell.source = strip_hidden(cell.source)
         if meta.get("solution") and answers and meta.get("grade_id") in answers:
             changed = answers[meta["grade_id"]](cell.source)
-            assert changed != cell.source, f"the wrong answer for {meta['grade_id']} is the solution"
+            assert changed != cell.source or scratch, \
+                f"the wrong answer for {meta['grade_id']} is the solution"
             cell.source = changed.strip()
     return nb
 
@@ -79,7 +153,13 @@ def test_solution_full_marks_blank_zero(lab, tmp_path):
     if lab in VISIBLE_ONLY:
         grade_id, answer = VISIBLE_ONLY[lab]
         submissions["visible-only"] = as_submitted(source, {grade_id: answer})
+    for student, (grade_id, answer, scratch, _) in ATTACKS.get(lab, {}).items():
+        submissions[student] = as_submitted(source, {grade_id: answer}, scratch)
     scores = grade_with_cli(lab, submissions, tmp_path)
+    attacks = {s: (scores[s][0], want, scores[s][2])
+               for s, (_, _, _, want) in ATTACKS.get(lab, {}).items()}
+    assert all(got == want for got, want, _ in attacks.values()), \
+        f"{lab}: (score, expected, problems) per attack: {attacks}"
     score, max_score, problems = scores["solution"]
     assert max_score > 0, f"{lab} has no graded test cells"
     assert score == max_score, f"{lab}: the solution scored {score} of {max_score} ({problems})"
