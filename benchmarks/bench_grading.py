@@ -28,16 +28,10 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from grading_helpers import FIXTURES, LAB, make_submission
+    from grading_helpers import LAB, make_class
     from labkit.grading import grade
     root = tempfile.mkdtemp(prefix="bench-grading-")
-    course = os.path.join(root, "course")
-    shutil.copytree(os.path.join(FIXTURES, "solutions"), os.path.join(course, "solutions"))
-    subs = os.path.join(root, "subs")
-    variants = [{}, {"task_add": "def add(a, b):\n    return a - b"},
-                {"task_rank_sum": "def rank_sum(x):\n    return 3.0"}]
-    for i in range(args.n):
-        make_submission(course, subs, f"student{i:02d}", variants[i % len(variants)])
+    course, subs = make_class(root, args.n)
     runs = {}
     for label, jobs in (("serial", 1), ("parallel", args.jobs)):
         started = time.monotonic()

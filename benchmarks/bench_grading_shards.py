@@ -59,16 +59,10 @@ def main():
     parser.add_argument("--n", type=int, default=8, help="submissions (default 8)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from grading_helpers import FIXTURES, LAB, make_submission
+    from grading_helpers import LAB, make_class
     from test_class_scale import throwaway_postgres
     root = tempfile.mkdtemp(prefix="bench-shards-")
-    course = os.path.join(root, "course")
-    shutil.copytree(os.path.join(FIXTURES, "solutions"), os.path.join(course, "solutions"))
-    subs = os.path.join(root, "subs")
-    variants = [{}, {"task_add": "def add(a, b):\n    return a - b"},
-                {"task_rank_sum": "def rank_sum(x):\n    return 3.0"}]
-    for i in range(args.n):
-        make_submission(course, subs, f"student{i:02d}", variants[i % len(variants)])
+    course, subs = make_class(root, args.n)
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
                + os.environ.get("PATH", ""))
     rows = {}

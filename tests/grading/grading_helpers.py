@@ -76,3 +76,16 @@ def read_outputs(out, student):
 
 if "labkit" not in sys.modules:
     sys.path.insert(0, os.path.join(os.path.dirname(FIXTURES), "..", "..", "utils"))
+
+
+def make_class(root, n):
+    """A copy of the fixture course under `root` and `n` submissions to it, a third of them right,
+    a third with a wrong `add`, a third with a wrong `rank_sum`: (course, submissions folder)."""
+    import shutil
+    course, subs = os.path.join(root, "course"), os.path.join(root, "subs")
+    shutil.copytree(os.path.join(FIXTURES, "solutions"), os.path.join(course, "solutions"))
+    variants = [{}, {"task_add": "def add(a, b):\n    return a - b"},
+                {"task_rank_sum": "def rank_sum(x):\n    return 3.0"}]
+    for i in range(n):
+        make_submission(course, subs, f"student{i:02d}", variants[i % len(variants)])
+    return course, subs
