@@ -100,3 +100,14 @@ def test_released_lab_has_named_stubs_and_visible_checks(path):
                             or re.search(r"\bcheck_\w+\(", line))]
             assert visible, f"test cell {meta['grade_id']} has no visible check left:\n{source}"
     assert answers >= 2 and tests >= answers, f"{answers} answer cells, {tests} test cells"
+
+
+@pytest.mark.parametrize("path", notebooks("solutions"), ids=lambda p: p.parent.name)
+def test_readme_states_each_labs_points(path):
+    """The chapter table in README.md says what each lab is worth; it must match the notebook."""
+    points = sum(meta.get("points", 0) for _, meta, _ in _graded_cells(path) if meta.get("grade"))
+    claim = re.search(rf"`labs/{path.parent.name}/`, ([\d.]+) points",
+                      (ROOT / "README.md").read_text())
+    assert claim, f"README.md's chapter table does not state the points of {path.parent.name}"
+    assert float(claim.group(1)) == points, \
+        f"README.md says {path.parent.name} is worth {claim.group(1)} points; its test cells give {points}"
