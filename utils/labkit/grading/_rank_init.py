@@ -28,7 +28,9 @@ import struct
 import sys
 
 CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
+MS_REC, MS_PRIVATE = 16384, 1 << 18
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 SECCOMP_MODE_FILTER = 2
 AF_UNIX = 1
@@ -86,13 +88,26 @@ def _no_unix_sockets():
            "seccomp")
 
 
-def _child(spec):
+def private_dirs(spec):
+    """In a mount namespace of the rank's own: a fresh /tmp, /var/tmp and /dev/shm in the
+    sandbox's root, and the read-only install bound into them again where it lives below one of
+    them (a course cloned into /tmp: its .venv and labkit would be hidden by the fresh /tmp)."""
     root = spec["root"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
+    for path in PRIVATE_DIRS:
         os.makedirs(root + path, exist_ok=True)
         _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV,
                f"mode=1777,size={spec['tmp_bytes']}")
+    for path in spec.get("read_only", []):
+        if any(path.startswith(d + "/") for d in PRIVATE_DIRS) and os.path.isdir(path):
+            os.makedirs(root + path, mode=0o755, exist_ok=True)
+            _mount(path, root + path, None, MS_BIND | MS_REC)
+            _mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_RDONLY)
+
+
+def _child(spec):
+    root = spec["root"]
+    private_dirs(spec)
     os.chroot(root)
     os.chdir("/tmp")
     os.setgroups([])

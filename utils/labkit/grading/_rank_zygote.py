@@ -39,13 +39,8 @@ def _reply(control, message):
 
 
 def _child(spec, request, fds):
-    rank_init._mount(None, "/", None, rank_init.MS_REC | rank_init.MS_PRIVATE)
     root = spec["root"]
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
-        os.makedirs(root + path, exist_ok=True)
-        rank_init._mount("tmpfs", root + path, "tmpfs",
-                         rank_init.MS_NOSUID | rank_init.MS_NODEV,
-                         f"mode=1777,size={spec['tmp_bytes']}")
+    rank_init.private_dirs(spec)
     for procs in spec["cgroups"]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from labkit.grading.sandbox import read_only_paths
 from labkit.runtime.launcher import World
 
 _RANK_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_init.py")
@@ -81,7 +82,7 @@ class Zygote:
         self.exits = {}                  # pid -> wait status of ranks that ended
         self.sock, child = socket.socketpair()
         spec = {"sandbox_pid": box.namespace_pid(), "root": box.root,
-                "tmp_bytes": box.limits.tmp_bytes,
+                "tmp_bytes": box.limits.tmp_bytes, "read_only": read_only_paths(),
                 "rlimits": {"RLIMIT_NOFILE": box.limits.open_files, "RLIMIT_CORE": 0,
                             "RLIMIT_FSIZE": box.limits.file_bytes,
                             **({} if box.rank_cgroups else {"RLIMIT_AS": RANK_MEMORY_BYTES})},
@@ -253,6 +254,7 @@ class SandboxWorld(World):
             uid = self._uids[rank]
             spec = {"sandbox_pid": self.box.namespace_pid(), "root": self.box.root,
                     "uid": uid, "gid": uid, "tmp_bytes": self.box.limits.tmp_bytes,
+                    "read_only": read_only_paths(),
                     "rlimits": {"RLIMIT_NOFILE": self.box.limits.open_files, "RLIMIT_CORE": 0,
                                 "RLIMIT_FSIZE": self.box.limits.file_bytes,
                                 **({} if self.box.rank_cgroups else

@@ -124,7 +124,7 @@ def ensure_user(slot: int) -> tuple[int, int]:
     return entry.pw_uid, entry.pw_gid
 
 
-def _read_only_paths() -> list[str]:
+def read_only_paths() -> list[str]:
     """What the kernel needs to see: the Python install(s) and the labkit package."""
     import labkit
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix,
@@ -226,7 +226,7 @@ class Sandbox:
             root = self.root = os.path.join(self.private, "root")
             os.makedirs(root, mode=0o700)
             spec = {"root": root, "workdir": self.workdir, "uid": self.uid, "gid": self.gid,
-                    "read_only": _read_only_paths(), "tmp_bytes": self.limits.tmp_bytes,
+                    "read_only": read_only_paths(), "tmp_bytes": self.limits.tmp_bytes,
                     "rlimits": rlimits, "env": env, "argv": argv, "loopback": True,
                     "cgroups": [os.path.join(p, "cgroup.procs") for p in self.cgroups]}
             spec_path = os.path.join(self.private, "spec.json")
