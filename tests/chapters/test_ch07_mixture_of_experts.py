@@ -307,10 +307,12 @@ def test_an_error_in_the_middle_of_a_step_leaves_the_next_call_right():
     checks.check_ep_layer(world, REF["ep_moe_layer"], seed=9)
 
 
-def _route_and_count(x, router, n_local, top_k):
-    """The plan both wrong layers below share (it is right): routing, the rows sorted by
-    expert, and the row counts every rank sends to and receives from every other."""
+# The two wrong layers below repeat their routing lines on purpose: each is pasted whole, as its
+# source, into a submission that `labkit grade` grades (a helper they shared would not be there).
+def _ep_layer_grouped_by_unique(x, router, local_experts, top_k):
+    """Groups the received rows with torch.unique: an expert with no row shifts the later ones."""
     P = dist.get_world_size()
+    n_local = local_experts.size(0)
     weights, chosen = moe.route(x @ router, top_k)
     flat = chosen.reshape(-1)
     order = flat.argsort(stable=True)
@@ -319,14 +321,6 @@ def _route_and_count(x, router, n_local, top_k):
     dist.all_to_all_single(incoming, per_expert)
     incoming = incoming.view(P, n_local)
     send, recv = per_expert.view(P, n_local).sum(1).tolist(), incoming.sum(1).tolist()
-    return weights, order, incoming, send, recv
-
-
-def _ep_layer_grouped_by_unique(x, router, local_experts, top_k):
-    """Groups the received rows with torch.unique: an expert with no row shifts the later ones."""
-    P = dist.get_world_size()
-    n_local = local_experts.size(0)
-    weights, order, incoming, send, recv = _route_and_count(x, router, n_local, top_k)
     received = ep.all_to_all(x[order // top_k], send, recv)
     local = torch.arange(n_local).repeat(P).repeat_interleave(incoming.reshape(-1))
     grouping = local.argsort(stable=True)
@@ -341,7 +335,14 @@ def _ep_layer_padded(x, router, local_experts, top_k):
     """Right values, but every split padded to the largest count (equal splits)."""
     P = dist.get_world_size()
     n_local, hidden = local_experts.size(0), x.size(1)
-    weights, order, incoming, send, recv = _route_and_count(x, router, n_local, top_k)
+    weights, chosen = moe.route(x @ router, top_k)
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    per_expert = torch.bincount(flat, minlength=n_local * P)
+    incoming = torch.empty_like(per_expert)
+    dist.all_to_all_single(incoming, per_expert)
+    incoming = incoming.view(P, n_local)
+    send, recv = per_expert.view(P, n_local).sum(1).tolist(), incoming.sum(1).tolist()
     width = torch.tensor([max(send + recv)])
     dist.all_reduce(width, op=dist.ReduceOp.MAX)
     width = int(width)
