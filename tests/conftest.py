@@ -1,7 +1,10 @@
 """The whole suite: what each test folder costs, printed at the end of every run (the budget is
 25 minutes on the 2-core machine; CI's limit is 90)."""
 import collections
+import signal
 import time
+
+import pytest
 
 _FOLDERS = collections.defaultdict(float)
 _STARTED = time.monotonic()
@@ -23,3 +26,15 @@ def pytest_terminal_summary(terminalreporter):
     for folder, seconds in sorted(_FOLDERS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{folder:<40} {seconds:7.1f}")
     terminalreporter.write_line(f"{'all (wall clock)':<40} {time.monotonic() - _STARTED:7.1f}")
+
+
+@pytest.fixture(autouse=True)
+def _interrupts_still_reach_the_kernel():
+    """A test that leaves SIGINT ignored or rerouted in this process breaks every later test of
+    an interrupt (and, in a notebook, the stop button): fail that test, by name."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"this test left SIGINT's handler changed: {before!r} -> {after!r}")

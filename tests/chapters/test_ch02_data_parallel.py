@@ -406,3 +406,21 @@ def test_task_3_wrong_answers_fail_their_cells(name):
     edit, fails = TASK3_WRONG[name]
     outcome = run_lab(TASK3, {SYNC: _edit(SYNC, *edit)})
     assert _failed(outcome) == fails, f"{name}: {outcome}"
+
+
+def test_poisoned_step_cases_always_poison_one_rank_only():
+    """About 2 draws in 100 placed every gradient as a replica: the poisoned case then had no
+    rank-own piece to poison and the checker raised StopIteration (a correct lab lost a point)."""
+    from labkit.dp import checks as dp_checks_module
+
+    class FakeWorld:          # _step_case reads only the size; no ranks are needed to draw a case
+        size = 3
+
+    kinds = set()
+    for _ in range(1500):      # P(no all-replica draw among them) ~ 1e-8
+        _, layout, *_ = dp_checks_module._step_case(FakeWorld, "poison", poison=float("nan"))
+        poisoned = [w["kind"] for t, w in zip(layout["full"], layout["where"])
+                    if not torch.isfinite(t).all()]
+        assert len(poisoned) == 1 and poisoned[0] != "replicate", layout["where"]
+        kinds.add(len(layout["full"]))
+    assert kinds == {5, 6}, "no draw needed the added shard: the test did not reach the edge"

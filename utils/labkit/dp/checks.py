@@ -257,6 +257,9 @@ def _step_case(world, what, poison=None):
     layout["full"].append(case.normal((3, 2), "float32"))       # always one replica on every rank
     layout["where"].append({"kind": "replicate", "ranks": list(range(P))})
     if poison is not None:                # a NaN or inf in the piece of one rank only
+        if all(w["kind"] == "replicate" for w in layout["where"]):   # a draw can hold no shard
+            layout["full"].append(case.normal((P + 1, 2), "float32"))
+            layout["where"].append({"kind": "shard"})
         target = next(i for i, w in enumerate(layout["where"]) if w["kind"] != "replicate")
         layout["full"][target].view(-1)[0] = poison
     params = [case.normal(t.shape, "float32") for t in layout["full"]]
