@@ -38,3 +38,11 @@ def test_records_are_read_back_from_an_executed_notebook():
         "x", outputs=[nbformat.v4.new_output("display_data", data={
             "text/plain": "[formula ok  ] ...", formulas.MIME: record})])])
     assert formulas.records_in_notebook(nb) == [record]
+
+
+def test_error_against_zero_is_shown_absolute():
+    zero = formulas.check("a difference that should vanish", [0, 0], [5.55e-17, 0], abs_tol=1e-10)
+    assert zero.passed and "error 5.55e-17 absolute" in zero.line()
+    assert formulas.error_text([2.0], [2.2], 0.1) == "10.00%"
+    assert formulas.error_text([0.0], [0.0], 0.0) == "exact"
+    assert formulas.error_text([0.0], [float("nan")], None) == "not finite"

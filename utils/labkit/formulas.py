@@ -68,11 +68,23 @@ class FormulaCheck:
             tolerance.append(f"{self.rel_tol:.3g} relative")
         if self.abs_tol:
             tolerance.append(f"{self.abs_tol:.3g}{(' ' + self.unit) if self.unit else ''} absolute")
-        error = "exact" if self.worst_error == 0 else (
-            "inf" if math.isinf(self.worst_error) else f"{self.worst_error:.2%}")
+        error = error_text(self.predicted, self.measured, self.worst_error, self.unit)
         return (f"[formula {mark}] {self.name}{relation}: predicted {show(self.predicted)}, "
                 f"measured {show(self.measured)}; error {error}, tolerance "
                 f"{' or '.join(tolerance) or 'exact'}")
+
+
+def error_text(predicted: list, measured: list, worst_error: float | None, unit: str = "") -> str:
+    """The worst error as a person reads it: relative, or absolute where a predicted value is 0
+    (a relative error of 5.55e-17 over 0 is infinite, and says nothing)."""
+    if worst_error == 0:
+        return "exact"
+    if worst_error is not None and math.isfinite(worst_error):
+        return f"{worst_error:.2%}"
+    if not all(math.isfinite(v) for v in list(predicted) + list(measured)):
+        return "not finite"
+    gap = max(abs(m - p) for p, m in zip(predicted, measured))
+    return f"{gap:.3g}{(' ' + unit) if unit else ''} absolute"
 
 
 def _as_list(value, what: str) -> list:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labkit import formulas
+
 KERNEL = "labkit"  # installed into the virtual environment by `make setup`
 
 
@@ -153,7 +155,8 @@ def formula_table(results: list) -> list[tuple]:
             error = r.get("worst_error")
             rows.append((str(result.notebook), r["name"], _number(r["predicted"], r.get("unit", "")),
                          _number(r["measured"], r.get("unit", "")),
-                         "inf" if error is None else f"{error:.2%}", tolerance,
+                         formulas.error_text(r["predicted"], r["measured"], error,
+                                             r.get("unit", "")), tolerance,
                          "ok" if r.get("passed") else
                          ("off (timing)" if r.get("timing") else "FAILED")))
     return rows
