@@ -33,8 +33,12 @@ def _interrupts_still_reach_the_kernel():
     """A test that leaves SIGINT ignored or rerouted in this process breaks every later test of
     an interrupt (and, in a notebook, the stop button): fail that test, by name."""
     before = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     after = signal.getsignal(signal.SIGINT)
     if after is not before:
         signal.signal(signal.SIGINT, before)
         pytest.fail(f"this test left SIGINT's handler changed: {before!r} -> {after!r}")
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []) and not blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        pytest.fail("this test left SIGINT blocked in the main thread")

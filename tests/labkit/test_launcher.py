@@ -3,6 +3,7 @@ import os
 import re
 import signal
 import threading
+import warnings
 import time
 
 import pytest
@@ -111,11 +112,48 @@ def test_a_rank_that_dies_is_named_and_the_world_comes_back(world2, how):
     assert world2.run(rc.summed, 0) == [1.0, 1.0]
 
 
+def _signal_state():
+    """This process's signal masks (the kernel's view) and its thread count."""
+    with open("/proc/self/status") as f:
+        rows = [line.strip() for line in f if line.startswith(("Sig", "Shd", "Threads"))]
+    return "; ".join(rows) + f"; threads: {[t.name for t in threading.enumerate()]}"
+
+
 def test_an_interrupt_during_a_collective_diagnoses_and_cleans_up(world2):
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(labkit.CallInterrupted) as caught:
-        world2.call(rc.skips_collective, (1,), timeout=60)
+    # A SIGINT after 1 s, sent again every 3 s while this process's handler has not run. In two
+    # full-suite runs the call saw no interrupt at all (never alone, nor in any subset of the
+    # suite; the Python handler was unchanged): a resent one must still end in a diagnosis, and a
+    # loss is reported as a warning with this process's signal state, for whoever looks next.
+    before = _signal_state()
+    done, received, sent = threading.Event(), threading.Event(), []
+
+    def on_sigint(signum, frame):                 # the default handler, noting that it ran
+        received.set()
+        signal.default_int_handler(signum, frame)
+
+    def interrupt():                              # resend only a SIGINT that never arrived
+        while not done.wait(1.0 if not sent else 3.0) and not received.is_set() and len(sent) < 10:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(labkit.CallInterrupted) as caught:
+            world2.call(rc.skips_collective, (1,), timeout=60)
+    except labkit.CallTimeout as error:
+        raise AssertionError(
+            f"{len(sent)} SIGINTs sent; this process's handler ran: {received.is_set()} (if it "
+            f"ran, the KeyboardInterrupt was swallowed). Before: {before}; after: "
+            f"{_signal_state()}") from error
+    finally:
+        done.set()
+        sender.join()
+        signal.signal(signal.SIGINT, previous)
+    if len(sent) > 1:
+        warnings.warn(f"the call took {len(sent)} SIGINTs to interrupt. Before: {before}; "
+                      f"after: {_signal_state()}")
     assert re.search(r"rank 1 never issued all_reduce #\d+", caught.value.diagnosis)
     assert world2.run(rc.summed, 0) == [1.0, 1.0]
 
