@@ -108,16 +108,7 @@ def check_global_mean(world, mean_fn, kind="uneven", timeout=30):
 
 def check_no_values_raise(world, mean_fn, timeout=30):
     """No rank holds a value: ValueError on every rank (not a hang, not NaN)."""
-    import labkit
+    from labkit import checks
     case, shares, _ = mean_case(world.size, "all empty")
-    try:
-        world.run_each(_mean_program, shares, mean_fn, timeout=timeout)
-    except labkit.RankError as error:
-        first_lines = {rank: text.splitlines()[0][:80] for rank, text in error.errors.items()}
-        if sorted(first_lines) != list(range(world.size)) or not all(
-                "ValueError" in text for text in error.errors.values()):
-            raise AssertionError(f"[{case}] every rank should raise ValueError; these raised: "
-                                 f"{first_lines}") from None
-        return
-    raise AssertionError(f"[{case}] global_mean should raise ValueError on every rank when no "
-                         "rank holds a value")
+    checks.expect_value_error_on_every_rank(world, _mean_program, shares, mean_fn, case=case,
+                                            refused="no rank holds a value", timeout=timeout)

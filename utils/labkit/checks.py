@@ -244,6 +244,24 @@ def expect_traffic(traffic, data, messages=None, case=None, what: str = "the cal
 
 # ---- lab 0 --------------------------------------------------------------------------------------
 
+def expect_value_error_on_every_rank(world, program, shares, *args, case=None,
+                                     refused: str, timeout: float | None = None) -> None:
+    """Run `program` on every rank with its own share (`world.run_each`); pass only if every rank
+    raised ValueError. `refused` says what should have been refused, for the message."""
+    from labkit.errors import RankError
+    try:
+        world.run_each(program, shares, *args, timeout=timeout)
+    except RankError as error:
+        first_lines = {rank: text.splitlines()[0][:80] for rank, text in error.errors.items()}
+        if sorted(first_lines) != list(range(world.size)) or not all(
+                "ValueError" in text for text in error.errors.values()):
+            raise AssertionError(f"[{case}] every rank should raise ValueError when {refused}; "
+                                 f"these raised: {first_lines}") from None
+        return
+    raise AssertionError(f"[{case}] every rank should raise ValueError when {refused}, "
+                         "not return")
+
+
 def _call_with_share(share, fn):
     return fn(share)
 
