@@ -222,12 +222,36 @@ class Traffic:
 
     def record_mark(self, label: str, snap: Snapshot, ranks=None):
         """The counts at a mark, for the ranks that reached it in this wave (`ranks`; all by
-        default): a rank that reaches it later gets its own row from a later snapshot."""
+        default): a rank that reaches it later gets its own row from a later snapshot. A rank's
+        first row of a label is kept. A rank that reaches a label twice in one call, or a call
+        with more than 64 labels, fails the call (the world restarts on the next one): a mark is
+        the measuring program's, and a second one could only move the measured point."""
+        from labkit.errors import LabkitError
+        call = id(getattr(self.world, "_finished", None))     # a new dict for every call
+        state = self.__dict__.setdefault("_mark_state", {"call": None, "labels": {}, "rows": {}})
+        if state["call"] != call:
+            state["call"], state["labels"] = call, {}
+        targets = list(range(self.size)) if ranks is None else [int(r) for r in ranks]
+        reached = state["labels"].setdefault(label, set())
+        again = sorted(set(targets) & reached)
+        if again or len(state["labels"]) > 64:
+            self.world._broken = "a labkit.mark was refused"
+            what = (f"ranks {again} reached labkit.mark({label!r}) a second time in one call; "
+                    "expected each label once per rank per call" if again else
+                    f"the call reached {len(state['labels'])} labkit.mark labels (at most 64; "
+                    f"the last one {label!r})")
+            raise LabkitError(f"{what}. A mark belongs to the program that measures the call: "
+                              "do not call labkit.mark from your own code. The world restarts "
+                              "on the next call.")
+        reached.update(targets)
+        filled = state["rows"].setdefault(label, set())
+        targets = [r for r in targets if r not in filled]        # the first row of a rank stays
+        filled.update(targets)
         matrix, outside, _ = _between(self._start, snap, self.size)
         entry = self.marks.setdefault(label, {"matrix": [[0] * self.size for _ in matrix],
                                               "outside": [0] * self.size,
                                               "sent": [0] * self.size})
-        for r in (range(self.size) if ranks is None else ranks):
+        for r in targets:
             entry["matrix"][r] = matrix[r]
             entry["outside"][r] = outside[r]
             entry["sent"][r] = sum(matrix[r]) + outside[r]

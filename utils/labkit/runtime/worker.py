@@ -328,13 +328,35 @@ def mark(label):
     """A point at which whoever measures this call (`world.traffic()`) takes a snapshot of the
     bytes every rank has sent so far; returns once it is taken. Asynchronous ops this rank started
     before the mark are let finish first (so their bytes are all counted, on any machine).
-    Outside a call: does nothing."""
+    Outside a call: does nothing. A label is marked at most once per rank per call (the first
+    entry is the one measured), and a call marks at most MARK_LABELS labels; a mark the measuring
+    side does not answer within MARK_RESUME_SECONDS fails the call."""
+    import time
     commands = STATE.commands
     if commands is None:
         return
+    label = str(label)[:200]
+    seen = mark.__dict__.setdefault("seen", {"task": None, "labels": set()})
+    if seen["task"] != STATE.task_id:
+        seen["task"], seen["labels"] = STATE.task_id, set()
+    if label in seen["labels"]:
+        raise RuntimeError(f"rank {STATE.rank}: labkit.mark({label!r}) was called a second time "
+                           "in this call; expected each label once per rank per call (the first "
+                           "mark is the one measured). Marks belong to the program that measures "
+                           "the call: do not call labkit.mark from your own code")
+    if len(seen["labels"]) >= 64:          # MARK_LABELS: each mark costs a snapshot outside
+        raise RuntimeError(f"rank {STATE.rank}: more than 64 labkit.mark labels in one call "
+                           f"(received {label!r} after 64 others); expected a few marks per call")
+    seen["labels"].add(label)
     _hooks.finish_in_flight()
-    send(commands, {"kind": "mark", "task": STATE.task_id, "label": str(label)})
+    send(commands, {"kind": "mark", "task": STATE.task_id, "label": label})
+    deadline = time.monotonic() + 120.0    # MARK_RESUME_SECONDS
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not commands.poll(left):
+            raise RuntimeError(f"rank {STATE.rank}: labkit.mark({label!r}) was not answered "
+                               "within 120 s (expected a resume once every rank reached it); "
+                               "is the measuring side stuck?")
         message = commands.recv()
         if message[0] == "resume":
             return
