@@ -6,6 +6,7 @@
 # Parameters of `make course`: WORLD (ranks, 2), BACKEND (auto|gloo|nccl), SCALE (small|large),
 # ONLY (run notebooks whose path contains this), e.g. `make course WORLD=4 BACKEND=nccl`.
 
+SHELL   := /bin/bash
 PYTHON  ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -27,13 +28,23 @@ setup: $(STAMP)
 
 # The environment is rebuilt only when pyproject.toml (the single dependency list) changes;
 # a half-made one (no working pip) is made again from scratch.
+# Each step prints one line when it starts and one when it ends, with its time: the install is
+# the long one (3-8 minutes on a fresh machine, most of it torch; seconds with pip's cache warm).
 $(STAMP): pyproject.toml
 	@if ! $(BIN)/python -m pip --version >/dev/null 2>&1; then \
-	  echo "creating $(VENV) with $$($(PYTHON) --version)"; rm -rf $(VENV); \
+	  echo "setup 1/3: creating $(VENV) with $$($(PYTHON) --version)"; rm -rf $(VENV); \
 	  $(PYTHON) -m venv $(VENV) || { echo "could not create $(VENV)" >&2; rm -rf $(VENV); exit 1; }; \
 	fi
-	$(BIN)/python -m pip install --quiet -e ".[test]"
-	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
+	@echo "setup 2/3: pip installs the course and its dependencies into $(VENV) (torch, jupyterlab, nbgrader, ...): 3-8 min the first time; one line per package as pip collects it"
+	@start=$$(date +%s); \
+	  $(BIN)/python -m pip install --progress-bar off -e ".[test]" 2>&1 \
+	    | grep --line-buffered -E '^(Collecting|Successfully installed|ERROR|error)' \
+	    | sed -u -e 's/^Successfully installed .*/  pip: installed/' -e 's/^Collecting \([^ ;]*\).*/  pip: \1/'; \
+	  status=$${PIPESTATUS[0]}; \
+	  if [ $$status -ne 0 ]; then echo "setup: pip install failed (exit $$status); run it again to see pip's full output: $(BIN)/python -m pip install -e '.[test]'" >&2; exit $$status; fi; \
+	  echo "setup 2/3: done in $$(( $$(date +%s) - start )) s"
+	@echo "setup 3/3: registering the Jupyter kernel 'labkit'"
+	@$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
 	@touch $@
 
 course: $(STAMP)
