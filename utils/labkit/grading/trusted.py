@@ -102,6 +102,76 @@ class StudentProxy:
         return f"<the student's {self._name}>"
 
 
+def write_back(original, after, depth: int = 0) -> None:
+    """Make `original` (an argument of a direct call, in this process) hold what the student's
+    function left in its copy (`after`, plain data the rank sent back), in place: dicts and lists
+    are updated, tensors copied into. Immutable values and values of another type are left
+    alone (a local call could not have changed them in place either); None means the rank could
+    not send that argument back."""
+    import torch
+    if after is None or depth > 20:
+        return
+    if isinstance(original, dict) and isinstance(after, dict):
+        for key in [k for k in original if k not in after]:
+            del original[key]
+        for key, value in after.items():
+            if key in original and _same_kind(original[key], value):
+                write_back(original[key], value, depth + 1)
+            elif key not in original or not _equal(original[key], value):
+                original[key] = value
+    elif isinstance(original, list) and isinstance(after, (list, tuple)):
+        if len(original) != len(after):
+            original[:] = list(after)
+            return
+        for i, value in enumerate(after):
+            if _same_kind(original[i], value):
+                write_back(original[i], value, depth + 1)
+            elif not _equal(original[i], value):
+                original[i] = value
+    elif isinstance(original, tuple) and isinstance(after, (list, tuple)) and \
+            len(original) == len(after):
+        for item, value in zip(original, after):
+            write_back(item, value, depth + 1)
+    elif isinstance(original, torch.Tensor) and isinstance(after, torch.Tensor):
+        if _equal(original, after):
+            return
+        with torch.no_grad():
+            if original.shape == after.shape and original.dtype == after.dtype:
+                original.copy_(after)
+            else:
+                original.set_(after.clone())
+
+
+def _same_kind(a, b) -> bool:
+    import torch
+    return (isinstance(a, dict) and isinstance(b, dict)) or \
+        (isinstance(a, list) and isinstance(b, (list, tuple))) or \
+        (isinstance(a, tuple) and isinstance(b, (list, tuple)) and len(a) == len(b)) or \
+        (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+
+
+def _equal(a, b) -> bool:
+    """`a` (the caller's value, compared as the plain data it was sent as) equals `b`."""
+    import torch
+    from labkit.runtime.plain import plain
+    try:
+        a = plain(a)
+    except TypeError:
+        return False
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
+                a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        bits = [t.detach().cpu().reshape(-1).contiguous().view(torch.uint8) for t in (a, b)]
+        return torch.equal(*bits)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True                                   # NaN is NaN: nothing to write back
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 (values that cannot be compared are different)
+        return False
+
+
 class GradingTrace:
     """What `world.tracing()` returns during grading: the records of the calls made inside
     (records written by the ranks: hints for messages, never evidence for a point)."""
