@@ -186,11 +186,24 @@ class Session:
         """A direct call of a task function from a test cell, on a sandbox rank of its own."""
         from labkit.errors import RankError
         from labkit.grading import rankside
-        from labkit.grading.trusted import rebuild
+        from labkit.grading.trusted import StudentCodeError, rebuild, write_back
         world = self.sandbox_world(1, teaching=False, timeout=self.cell_timeout)
         self.install(world, [name])
         try:
-            return world.run(rankside.call_named, name, args, kwargs)[0]
+            reply = world.run(rankside.call_named, name, args, kwargs)[0]
+            if not (isinstance(reply, dict) and sorted(reply) == ["args", "kwargs", "value"]
+                    and isinstance(reply["args"], (list, tuple)) and len(reply["args"]) == len(args)
+                    and isinstance(reply["kwargs"], dict)):
+                raise StudentCodeError({"type": "UnreadableResult",
+                                        "message": f"{name}(): the rank's reply is not what a "
+                                                   "call returns (was it changed?)"})
+            # the arguments were copies: a change the function made to them reaches the
+            # caller's objects, as in a local call (a test of "do not change them" can fail)
+            for original, after in zip(args, reply["args"]):
+                write_back(original, after)
+            for key, original in kwargs.items():
+                write_back(original, reply["kwargs"].get(str(key)))
+            return reply["value"]
         except RankError as error:
             raise rebuild(error) from None
         except BaseException as error:
