@@ -430,6 +430,19 @@ def test_boxes_move_and_come_back_when_due(drill_file):
     assert [t for t, *_ in drill.Store().weakest()] == ["moe", "collectives"]
 
 
+def test_a_missed_question_comes_back_first_next_session(drill_file):
+    """Box 1 is due every session: what was missed in one session is asked first in the next,
+    before the questions never asked (the topic has many), whatever the next session's seed."""
+    first = drill.Session(topic="moe", seed=1, n=1)
+    missed = first.next().key
+    assert first.skip().status == "skipped"
+    first.summary()
+    for seed in (2, 3, 4, 5):            # each: a new session on the same file, not answered
+        again = drill.Session(topic="moe", seed=seed, n=1)
+        assert again.store.session == 2 and again.store.box(missed) == 1
+        assert again.next().key == missed, f"seed {seed}: {missed!r}, missed, was not asked first"
+
+
 def test_two_sessions_on_one_file_keep_each_others_answers(drill_file):
     notebook, terminal_store = drill.Store(), drill.Store()      # started at the same time
     notebook.record("ring-bytes", "collectives", True)

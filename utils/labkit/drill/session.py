@@ -126,10 +126,12 @@ class Session:
         return [k for k in keys if k not in self.unavailable]
 
     def _order(self, keys) -> list:
-        """Due first, then lower boxes, then the longest unseen; ties broken by the seed."""
+        """What is due comes first, and among it what was asked before (a question missed last
+        session is due again now, as the boxes promise) before what was never asked; then lower
+        boxes, then the longest unseen; ties broken by the seed."""
         store = self.store
-        return sorted(keys, key=lambda k: (not store.due(k), store.box(k),
-                                           store.item(k).get("last_session", 0),
+        return sorted(keys, key=lambda k: (not store.due(k), not store.item(k),
+                                           store.box(k), store.item(k).get("last_session", 0),
                                            self.rng.random()))
 
     def next(self) -> Question | None:
