@@ -17,7 +17,7 @@ and NCCL's "Environment Variables" page):
 | variable | what it does |
 |---|---|
 | NCCL_DEBUG=INFO (WARN, TRACE), NCCL_DEBUG_SUBSYS=INIT,NET,COLL | NCCL prints its version, the transports it picked per peer (NVLink/P2P, SHM, IB, Socket), rings and trees; WARN shows errors only |
-| TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (3) | the watchdog thread tears the process down (1) or only the communicator (3) when a collective times out or fails, instead of leaving the job hung; torchrun sets 1 for its workers unless it is set |
+| TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (2, 3) | what the watchdog does when a collective times out or fails, instead of leaving the job hung (ProcessGroupNCCL.hpp, `ErrorHandlingMode`): 1 aborts the communicators and tears the process down; 2 aborts the communicators and keeps the process (it can rebuild its groups); 3, torch's default when unset, tears the process down without aborting them (for when the abort itself hangs); torchrun sets 1 for its workers unless it is set |
 | TORCH_NCCL_BLOCKING_WAIT=1 | `work.wait()` blocks the caller until done or timed out and raises there (the timeout is the process group's `timeout=`) |
 | TORCH_FR_BUFFER_SIZE=N (or TORCH_NCCL_TRACE_BUFFER_SIZE), TORCH_NCCL_DUMP_ON_TIMEOUT=1 | the flight recorder: the last N collectives per rank, dumped to TORCH_FR_DUMP_TEMP_FILE<rank> (or TORCH_NCCL_DEBUG_INFO_TEMP_FILE) when the watchdog fires; torch 2.13 recognises both spellings |
 | TORCH_NCCL_DESYNC_DEBUG=1 | on a timeout, report which rank is behind (which never issued the collective) |
