@@ -283,3 +283,81 @@ def test_the_torchrun_command_restarts_and_isolates_the_store():
     assert "--max-restarts=1" in command and "labkit.faults.elastic:train" in command
     with pytest.raises(ValueError, match="kill_at must be a step"):
         elastic.launch(2, steps=5, every=2, kill_at=9, folder="/tmp/never")
+
+
+# ---- issue 24: the guard's rank holds no plan (new tests only) --------------------------------
+
+class _ReadsThePlan(REF["SpikeGuard"]):
+    """Issue 24's attack: walks up its stack and through every module for the list of bad ids,
+    and rolls back on those ids without looking at a statistic."""
+
+    def _bad_ids(self):
+        import gc
+        import sys
+        found = set()
+        frame = sys._getframe()
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, dict):
+                    plan = value.get("plan", value)
+                    if isinstance(plan, dict) and isinstance(plan.get("bad"), (list, tuple)):
+                        found.update(plan["bad"])
+                    if isinstance(value.get("removed"), (list, tuple, set)):
+                        found.update(value["removed"])
+            frame = frame.f_back
+        for obj in gc.get_objects():
+            if isinstance(obj, dict) and isinstance(obj.get("bad"), list) and "hard" in obj:
+                found.update(obj["bad"])
+        return found
+
+    def after_step(self, step, batch_id, stats):
+        if batch_id in self._bad_ids():
+            self.quarantined.add(batch_id)
+            back, state, history = self.good
+            spikes.restore(self.model, self.optimizer, state)
+            self.history = list(history)
+            return back
+        self.history.append(stats["grad_norm"])
+        if (step + 1) % self.snapshot_every == 0:
+            self.good = (step + 1, spikes.snapshot(self.model, self.optimizer),
+                         list(self.history))
+        return None
+
+
+def _finds_nothing(share, guard_class):
+    """On a rank: what the attack's search finds in the loop's stack (the share as handed)."""
+    guard = guard_class(spikes.make_model(0), spikes.make_optimizer(spikes.make_model(0)))
+    return sorted(guard._bad_ids())
+
+
+def test_a_guard_that_reads_the_plan_from_its_stack_finds_none_on_the_rank():
+    world = labkit.world(2, backend="gloo", teaching=False)
+    plan = {"bad": [17], "hard": [4, 9]}
+    shares = checks.stream_shares(5, 20, plan, world.size)
+    assert all(set(share) == {"steps", "seed", "tokens"} for share in shares)
+    assert world.run_each(_finds_nothing, shares, _ReadsThePlan) == [[], []]
+    # the same search on spikes.guarded_train's frames (the old rank program) finds the plan:
+    # the attack is real, and check_guard_spike no longer runs it
+    found = []
+
+    class Spy(_ReadsThePlan):
+        def after_step(self, step, batch_id, stats):
+            found.append(sorted(self._bad_ids()))
+            return None
+    spikes.guarded_train({"steps": 2, "seed": 0, "plan": plan}, Spy)
+    assert found[0] == [17]
+    with pytest.raises(AssertionError, match="quarantined \\[\\], the bad batches"):
+        checks.check_guard_spike(world, _ReadsThePlan, seed=41)
+
+
+def test_guarded_stream_is_guarded_train_on_the_same_batches():
+    world = labkit.world(2, backend="gloo", teaching=False)
+    plan = {"bad": [16], "hard": [5, 11]}
+    config = {"steps": 24, "seed": 7, "plan": plan}
+    old = world.call(spikes.guarded_train, args=(config, REF["SpikeGuard"]))
+    new = world.run_each(checks.guarded_stream, checks.stream_shares(7, 24, plan, 2),
+                         REF["SpikeGuard"])
+    for a, b in zip(old, new):
+        assert torch.equal(a["weights"], b["weights"])
+        assert (a["rollbacks"], a["quarantined"]) == (b["rollbacks"], b["quarantined"]) \
+            and a["quarantined"] == [16]

@@ -12,9 +12,13 @@ Task 1: the traces are runs of real ranks with the faults each case draws (trace
 the ranks sleep, skip a collective or route their tokens, at the points the case chose); only the
 trace, as plain data, reaches `diagnose`. The clocks of the ranks are skewed by up to a second
 (as on machines of a cluster), so only differences of times within one rank mean anything.
-Task 2: the student's class is built on every rank by the rank program `spikes.guarded_train`;
-the reference is the same loop without a guard on a stream without the bad batches, run on
-ranks where no student code runs; the final weights are compared.
+Task 2: the student's class is built on every rank by the rank program `guarded_stream` (the loop
+of `spikes.guarded_train`), which is handed only what a training loop has: its rows of the stream's
+batches, as tokens. The plan (which ids are bad or hard) and every expected value stay in the
+checker's process: no frame or global the guard can walk holds them. The rank returns the guard's
+decisions (rollbacks, quarantined ids) and the final weights as plain data; which steps were bad
+is judged here. The reference is the same loop without a guard on a stream without the bad
+batches, run on ranks where no student code runs; the final weights are compared.
 """
 from __future__ import annotations
 
@@ -152,14 +156,86 @@ def _stream_plan(case, steps, bad_count):
     return {"hard": hard, "bad": sorted(bad)}
 
 
+STREAM_EXTRA = 8           # batch ids beyond `steps` a rank is given (a guard quarantines a few)
+
+
+def stream_shares(seed, steps, plan, size):
+    """Each rank's rows of the stream's batches 0 .. steps + STREAM_EXTRA - 1, as tokens
+    [ids, B/P, T + 1] (uint8): what a data loader hands a rank, nothing of the plan."""
+    shares = []
+    for rank in range(size):
+        rows = []
+        for batch_id in range(steps + STREAM_EXTRA):
+            x, y = spikes.batch(seed, batch_id, plan, rank, size)      # x, y: [B/P, T]
+            rows.append(torch.cat([x, y[:, -1:]], dim=1))              # [B/P, T + 1]
+        shares.append({"steps": steps, "seed": seed,
+                       "tokens": torch.stack(rows).to(torch.uint8)})   # [ids, B/P, T + 1]
+    return shares
+
+
+def guarded_stream(share, guard_class, guard_kwargs=None) -> dict:
+    """Rank program of lab 9, task 2: the loop of `spikes.guarded_train`, on the batches of
+    `share["tokens"]` (batch id -> this rank's rows). Returns the guard's decisions and the final
+    weights: {"weights", "losses", "rollbacks": [(from step, to step)], "quarantined": sorted ids,
+    "iterations"}."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tokens, steps = share["tokens"], share["steps"]
+    model = spikes.make_model(share["seed"])
+    optimizer = spikes.make_optimizer(model)
+    guard = guard_class(model, optimizer, **(guard_kwargs or {}))
+    step, cursor, started_at = 0, 0, {0: 0}
+    losses, rollbacks, iterations = [], [], 0
+    while step < steps and iterations < 4 * steps:
+        iterations += 1
+        skip = set(getattr(guard, "quarantined", ()) or ())
+        while cursor in skip:
+            cursor += 1
+        if cursor >= len(tokens):
+            raise ValueError(f"rank {rank}: the stream ran out at batch id {cursor} (it has "
+                             f"{len(tokens)} batches for {steps} steps; quarantined: "
+                             f"{sorted(skip)}); quarantine only the batches that spike")
+        batch_id = cursor
+        cursor += 1
+        rows = tokens[batch_id].long()                                  # [B/P, T + 1]
+        x, y = rows[:, :-1], rows[:, 1:]
+        optimizer.zero_grad(set_to_none=True)
+        stats = spikes.sync(model, spikes.forward_backward(model, x, y))
+        optimizer.step()
+        losses.append(stats["loss"])
+        back = guard.after_step(step, batch_id, dict(stats))
+        if back is None:
+            step += 1
+            started_at[step] = cursor
+            continue
+        if isinstance(back, bool) or not isinstance(back, int) or not 0 <= back <= step:
+            raise ValueError(f"rank {rank}: after_step returned {back!r} at step {step}: "
+                             f"expected None or the step to resume from, an int between 0 and "
+                             f"{step}")
+        rollbacks.append((step, back))
+        step, cursor = back, started_at[back]
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"weights": weights, "losses": losses, "rollbacks": rollbacks,
+            "quarantined": sorted(int(i) for i in (getattr(guard, "quarantined", ()) or ())),
+            "iterations": iterations}
+
+
 def _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout):
-    config = {"steps": steps, "seed": case.integer(0, 10 ** 6), "plan": plan}
+    """The reference (no guard, the bad ids removed) on ranks that run no student code; the
+    student's guard on ranks given only their batches (`guarded_stream`)."""
+    seed = case.integer(0, 10 ** 6)
+    config = {"steps": steps, "seed": seed, "plan": plan}
     reference = world.call(spikes.guarded_train, args=(dict(config, removed=plan["bad"]), None),
                            timeout=timeout)
-    got = world.call(spikes.guarded_train, args=(config, SpikeGuard,
-                                                 {"snapshot_every": snapshot_every}),
-                     timeout=timeout)
+    got = world.run_each(guarded_stream, stream_shares(seed, steps, plan, world.size),
+                         SpikeGuard, {"snapshot_every": snapshot_every}, timeout=timeout)
     base.one_result_per_rank(got, world.size, case, "training with your SpikeGuard")
+    for rank, result in enumerate(got):
+        if not isinstance(result, dict) or not isinstance(result.get("quarantined"), list) \
+                or not isinstance(result.get("rollbacks"), list) \
+                or not isinstance(result.get("weights"), torch.Tensor):
+            raise AssertionError(f"rank {rank}: the training loop's result is not what it "
+                                 f"returns (got {type(result).__name__}) [{case}]")
     return reference, got
 
 
