@@ -167,7 +167,7 @@ def _config(course: str, source_root: str, out: str, db_url: str, lab: str,
         "nbgrader.preprocessors.GetGrades",
         "nbgrader.preprocessors.ClearHiddenTests",
         "labkit.grading.nbhooks.ScrubHidden",
-        "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor"]
+        "labkit.grading.nbhooks.FeedbackCSS"]
     config.InjectVerdicts.results_dir = os.path.join(work, "results")
     return config
 
@@ -318,16 +318,10 @@ def _copy_submission(notebooks: dict, dest: str, source_dir: str) -> list:
     return problems
 
 
-def _hidden_texts(source_dir: str, notebook_ids: list) -> dict:
-    import nbformat
-    from labkit.grading import notebook as nbtools
-    hidden = {}
-    for nb_id in notebook_ids:
-        nb = nbformat.read(os.path.join(source_dir, nb_id + ".ipynb"), as_version=4)
-        for cell in nb.cells:
-            if nbtools.role(cell) == "test":
-                hidden[cell.metadata.nbgrader.get("grade_id")] = nbtools.hidden_texts(cell.source)
-    return hidden
+def _hidden_texts(source_dir: str, notebook_ids: list, release_dir: str | None = None) -> dict:
+    """{grade_id: hidden lines the student's copy does not hold} (feedback.secret_texts)."""
+    from labkit.grading.feedback import secret_texts
+    return secret_texts(source_dir, release_dir, notebook_ids)
 
 
 def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> None:
@@ -337,6 +331,7 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "nbformat", "nbgrader.preprocessors",
                                     "labkit.grading.worker", "labkit.checks"])
+    _short_multiprocessing_tempdir()
     pending, running, free_slots = list(jobs), {}, list(range(parallel))
     while pending or running:
         while pending and free_slots:
@@ -434,7 +429,7 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
 
     config.InjectVerdicts.nonces = nonces
     config.InjectVerdicts.results_dir = results_dir
-    config.ScrubHidden.hidden = _hidden_texts(source_dir, notebook_ids)
+    config.ScrubHidden.hidden = _hidden_texts(source_dir, notebook_ids, release)
     api = _api(config)
     from labkit.grading.report import ClassRecord, failure_kinds
     record = ClassRecord(db_url)
@@ -460,12 +455,14 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
             problems.append("nbgrader generate_feedback failed: " + _last_line(feedback))
         leaks = check_feedback(os.path.join(out, "feedback", student), config.ScrubHidden.hidden)
         if leaks:
-            problems.append(f"feedback withheld: it quoted hidden tests ({leaks[0]})")
+            problems.append("feedback withheld: it quoted hidden tests of "
+                            + ", ".join(sorted({g for _, g in leaks})) + f" ({leaks[0][0]})")
         score, max_score = _score(api, lab, student)
         seconds = float(worker_result.get("seconds", 0.0))
         results.append(StudentResult(student, score, max_score, seconds, problems))
         autograded = glob.glob(os.path.join(work, "autograded", student, lab, "*.ipynb"))
-        record.save(lab, student, seconds, problems, failure_kinds(autograded), shard_name)
+        record.save(lab, student, seconds, problems, failure_kinds(autograded), shard_name,
+                    hidden_failures=worker_result.get("instructor_only", {}).get("hidden_failures"))
         if os.path.exists(job["result_path"]):         # kept where the guide says
             os.replace(job["result_path"], os.path.join(work, "results", f"{student}.json"))
     record.close()
@@ -480,20 +477,10 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
 
 
 def check_feedback(folder: str, hidden: dict) -> list:
-    """Paths of feedback files that contain a hidden-test line; such files are deleted."""
-    texts = [t for lines in hidden.values() for t in lines]
-    leaks = []
-    for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            content = f.read()
-        import html
-        if any(t in content or html.escape(t) in content or html.escape(t, quote=False)
-               in content for t in texts):
-            leaks.append(path)
-            os.remove(path)
-    return leaks
+    """[(path, grade_id)] of feedback files that quote a secret hidden line; they are deleted
+    (feedback.check_feedback)."""
+    from labkit.grading import feedback
+    return feedback.check_feedback(folder, hidden)
 
 
 def _score(api, lab, student):

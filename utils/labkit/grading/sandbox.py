@@ -40,6 +40,8 @@ _CGROUP_ROOT = "/sys/fs/cgroup"
 _LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MAX_MESSAGE = 64 << 20           # larger kernel messages are dropped by zmq (memory safety)
 _MAX_TEXT = 20_000                # characters of output kept per cell
+_MAX_CELL_OUTPUTS = 200           # outputs kept per cell (a stream switch or an image is one)
+_MAX_CELL_PAYLOADS = 256 << 20    # bytes of handed-over values per cell (beyond: the cell fails)
 
 
 @dataclasses.dataclass
@@ -97,8 +99,7 @@ def lease_slot() -> tuple[int, int]:
     users (`labkit-grade<slot>`, and its ranks' uids) are this process's until the fd is closed,
     so two grading runs at once never share a user (whose processes each one kills when done)."""
     import fcntl
-    import tempfile
-    folder = os.path.join(tempfile.gettempdir(), "labkit-grading-slots")
+    folder = slot_lock_folder()
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for slot in range(MAX_SLOTS):
         fd = os.open(os.path.join(folder, f"{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -109,6 +110,15 @@ def lease_slot() -> tuple[int, int]:
             continue
         return slot, fd
     raise RuntimeError(f"all {MAX_SLOTS} grading slots of this machine are in use")
+
+
+def slot_lock_folder() -> str:
+    """Where slots are leased: one folder per machine, whatever TMPDIR a run has (two runs with
+    different TMPDIRs once leased the same slot, and each killed the other's sandbox user)."""
+    import tempfile
+    if os.path.isdir("/run") and os.access("/run", os.W_OK):
+        return "/run/labkit-grading-slots"
+    return os.path.join(tempfile.gettempdir(), "labkit-grading-slots")
 
 
 def ensure_user(slot: int) -> tuple[int, int]:
@@ -138,6 +148,8 @@ def _die_with_parent():
     never leaves a sandbox behind: unshare --kill-child then takes the whole namespace)."""
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)      # PR_SET_PDEATHSIG
+    if os.getppid() == 1:            # the grading process died before prctl: too late for it
+        os._exit(1)
 
 
 def _clean_text(text: str) -> str:
@@ -165,6 +177,7 @@ class Sandbox:
         self.log_path = None
         self.root = None
         self._namespace_pid = None
+        self._kernel_dir_fd = None       # the kernel's socket folder, for the grader (start)
         self.ranks_started = 0           # ranks the grader started here (their uids: ranks.py)
 
     # ---- start -------------------------------------------------------------------------------
@@ -179,12 +192,19 @@ class Sandbox:
             os.chmod(self.workdir, 0o700)
         else:
             os.makedirs(self.workdir, mode=0o700)
-        os.makedirs(os.path.join(self.workdir, ".kernel"), mode=0o700)
-        conn = {"transport": "ipc", "ip": os.path.join(self.workdir, ".kernel", "k"),
+        kernel_dir = os.path.join(self.workdir, ".kernel")
+        os.makedirs(kernel_dir, mode=0o700)
+        # A unix socket's path holds at most 107 bytes, and workdir's grows with TMPDIR and the
+        # student id (an e-mail address: the kernel never started). So the kernel binds its
+        # sockets relative to its working folder (workdir, the same path inside the sandbox's
+        # root), and the grader reaches the same folder through a descriptor of its own:
+        # /proc/self/fd/N/k-1, short whatever TMPDIR and the id are.
+        self._kernel_dir_fd = os.open(kernel_dir, os.O_RDONLY | os.O_DIRECTORY)
+        conn = {"transport": "ipc", "ip": os.path.join(".kernel", "k"),
                 "shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
                 "hb_port": 5, "key": secrets.token_hex(16), "signature_scheme": "hmac-sha256",
                 "kernel_name": "python3"}
-        conn_path = os.path.join(self.workdir, ".kernel", "connection.json")
+        conn_path = os.path.join(kernel_dir, "connection.json")
         with open(conn_path, "w") as f:
             json.dump(conn, f)
         env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
@@ -249,7 +269,7 @@ class Sandbox:
                                          env=dict(env, HOME=self.workdir), close_fds=True,
                                          start_new_session=True, preexec_fn=limit)
         log.close()
-        self._connect(conn, conn_path)
+        self._connect(dict(conn, ip=f"/proc/self/fd/{self._kernel_dir_fd}/k"), conn_path)
 
     def _connect(self, conn, conn_path):
         import zmq
@@ -305,7 +325,7 @@ class Sandbox:
             return ExecResult("died", [], [])
         msg_id = self.client.execute(code, store_history=False, allow_stdin=False)
         deadline = time.monotonic() + timeout
-        outputs, payloads, error, idle, reply = [], [], None, False, None
+        outputs, payloads, error, idle, reply = _CellOutputs(), [], None, False, None
         while not (idle and reply is not None):
             if time.monotonic() > deadline:
                 return ExecResult("timeout", outputs, payloads)
@@ -336,16 +356,22 @@ class Sandbox:
                         payloads.append(base64.b64decode(str(data[RESULT_MIME]), validate=True))
                     except ValueError:
                         pass
+                    if sum(map(len, payloads)) > _MAX_CELL_PAYLOADS:
+                        payloads.clear()
+                        error = {"ename": "OutputTooLarge", "traceback": [],
+                                 "evalue": f"the kernel handed over more than "
+                                           f"{_MAX_CELL_PAYLOADS} bytes in one cell"}
+                        outputs.add(dict(output_type="error", **error))
                     continue
                 out = _clean_data(data)
                 if out:
-                    outputs.append({"output_type": "display_data", "data": out, "metadata": {}})
+                    outputs.add({"output_type": "display_data", "data": out, "metadata": {}})
             elif kind == "error":
                 error = {"ename": str(content.get("ename"))[:200],
                          "evalue": _clean_text(str(content.get("evalue"))),
                          "traceback": [_clean_text(str(t)) for t in
                                        (content.get("traceback") or [])][:50]}
-                outputs.append(dict(output_type="error", **error))
+                outputs.add(dict(output_type="error", **error))
         status = "ok" if reply.get("status") == "ok" and error is None else "error"
         return ExecResult(status, outputs, payloads, error)
 
@@ -373,6 +399,9 @@ class Sandbox:
         self.cgroups, self.rank_cgroups = [], []
         if self.uid is not None:
             _wait_user_gone(self.uid)
+        if getattr(self, "_kernel_dir_fd", None) is not None:
+            os.close(self._kernel_dir_fd)
+            self._kernel_dir_fd = None
         shutil.rmtree(getattr(self, "workdir", ""), ignore_errors=True)
         shutil.rmtree(getattr(self, "private", ""), ignore_errors=True)
         if self._slot_lock is not None:
@@ -380,10 +409,33 @@ class Sandbox:
             self._slot_lock = None
 
 
+class _CellOutputs(list):
+    """One cell's outputs, at most _MAX_CELL_OUTPUTS of them (each text already capped at
+    _MAX_TEXT characters, each image at 2 MB): what a cell prints beyond is dropped, with a note,
+    so the grader's memory does not grow with what a student's kernel sends."""
+
+    dropped = 0
+
+    def add(self, entry):
+        if len(self) < _MAX_CELL_OUTPUTS - 1:
+            self.append(entry)
+            return
+        self.dropped += 1
+        note = (f"... ({self.dropped} more outputs of this cell dropped: the grader keeps "
+                f"{_MAX_CELL_OUTPUTS - 1} per cell)\n")
+        if len(self) == _MAX_CELL_OUTPUTS:
+            self[-1]["text"] = note
+        else:
+            self.append({"output_type": "stream", "name": "stderr", "text": note})
+
+
 def _append_stream(outputs, stderr, text):
     name = "stderr" if stderr else "stdout"
-    if outputs and outputs[-1].get("output_type") == "stream" and outputs[-1]["name"] == name:
+    if (outputs and outputs[-1].get("output_type") == "stream" and outputs[-1]["name"] == name
+            and not getattr(outputs, "dropped", 0)):
         outputs[-1]["text"] = _clean_text(outputs[-1]["text"] + text)
+    elif hasattr(outputs, "add"):
+        outputs.add({"output_type": "stream", "name": name, "text": _clean_text(text)})
     else:
         outputs.append({"output_type": "stream", "name": name, "text": _clean_text(text)})
 
@@ -412,23 +464,43 @@ def _write(path, value, missing_ok=False):
             raise
 
 
-def _sigkill(pids):
+def _sigkill(pids, still_ours):
+    """SIGKILL each pid through a pidfd, and only if `still_ours(pid)` holds once the pidfd is
+    open: a pid read from /proc or cgroup.procs may have been reused since, and the check after
+    opening tells whether the process the pidfd holds is the one that was listed."""
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            if still_ours(pid):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        finally:
+            os.close(pidfd)
+
+
+def _cgroup_pids(path):
+    with open(os.path.join(path, "cgroup.procs")) as f:
+        return [int(p) for p in f.read().split()]
 
 
 def _empty_and_remove(path):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(p) for p in f.read().split()]
+            pids = _cgroup_pids(path)
         except FileNotFoundError:
             return
-        _sigkill(pids)
+
+        def still_in_cgroup(pid):
+            try:
+                return pid in _cgroup_pids(path)
+            except FileNotFoundError:
+                return False
+        _sigkill(pids, still_in_cgroup)
         try:
             os.rmdir(path)
             return
@@ -436,16 +508,16 @@ def _empty_and_remove(path):
             time.sleep(0.05)
 
 
+def _owner(pid):
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        return None
+
+
 def user_processes(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    pids.append(int(entry))
-            except FileNotFoundError:
-                pass
-    return pids
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and _owner(entry) == uid]
 
 
 def _wait_user_gone(uid, timeout=10.0):
@@ -455,5 +527,5 @@ def _wait_user_gone(uid, timeout=10.0):
         pids = user_processes(uid)
         if not pids:
             return
-        _sigkill(pids)
+        _sigkill(pids, lambda pid: _owner(pid) == uid)
         time.sleep(0.05)
