@@ -344,3 +344,44 @@ def test_under_the_grader_a_world_starts_its_ranks_on_first_use(monkeypatch):
     assert world.run(rc.summed, 1) == [3.0, 3.0]
     assert len(world.rank_pids()) == 2 and world.alive
     labkit.shutdown_all()
+
+
+def test_a_deadlock_with_a_finished_rank_is_diagnosed_within_seconds_not_at_the_timeout():
+    # rank 2 returns at once; ranks 0 and 1 all_reduce on the world, which rank 2 will never
+    # join: certain after the first probes, so the call fails in seconds, not after 60 s
+    def two_of_three_all_reduce():
+        import torch
+        import torch.distributed as dist
+        if dist.get_rank() != 2:
+            dist.all_reduce(torch.ones(4))
+        return dist.get_rank()
+
+    world = labkit.world(3, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(labkit.CallTimeout) as caught:
+        world.run(two_of_three_all_reduce)
+    elapsed = time.monotonic() - started
+    assert elapsed < 6, elapsed
+    message, diagnosis = str(caught.value), caught.value.diagnosis
+    assert "can never finish (a deadlock" in message, message
+    assert "rank 2: finished this call (idle)" in diagnosis
+    assert re.search(r"rank 0: waiting in all_reduce #\d+", diagnosis)
+    assert re.search(r"rank 1: waiting in all_reduce #\d+", diagnosis)
+    assert re.search(r"rank 2 never issued all_reduce #\d+ on ranks \[0, 1, 2\], which ranks "
+                     r"0, 1 are waiting in", diagnosis)
+    assert world.run(rc.rank_and_size) == [(0, 3), (1, 3), (2, 3)]   # the world comes back
+    labkit.shutdown_all()
+
+
+def test_a_rank_that_finished_while_another_still_computes_is_no_deadlock():
+    # rank 1 returns at once while rank 0 computes for 3 s and then returns: nothing waits in
+    # a collective, so the early deadlock check must let the call finish
+    def one_slow_rank():
+        import time
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            time.sleep(3)
+        return dist.get_rank()
+
+    world = labkit.world(2, timeout=20)
+    assert world.run(one_slow_rank) == [0, 1]

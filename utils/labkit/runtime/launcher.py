@@ -192,7 +192,9 @@ class World:
         self._tasks = itertools.count(1)
         self._sent_sources = set()
         self._finished = {}
+        self._deadlock = None     # the verdict of _DeadlockWatch in the last call, if any
         self.last_output = {}     # rank -> [(stream, line)] of the last call
+        self.last_exit = {}       # rank -> exit code at close (None: still running, killed)
         if not lazy:
             self._start()
 
@@ -288,6 +290,9 @@ class World:
         deadline = time.monotonic() + 3.0
         while any(r.alive() for r in self._ranks) and time.monotonic() < deadline:
             self._pump(0.05, quiet=True)
+        self.last_exit = {r.rank: r.process.exitcode for r in self._ranks}  # None: killed below
+        _log_close(self, {r.rank: [line for stream, line in r.output.lines if stream == "err"]
+                          for r in self._ranks})
         self._stop_all(kill=True)
         if _CURRENT is self:
             _CURRENT = None
@@ -442,6 +447,13 @@ class World:
             if view is not None:
                 view.close()
         results, errors, deaths, stuck = outcome
+        if stuck is not None and not errors and not deaths and self._deadlock is not None:
+            diagnosis = self._diagnose_and_stop(targets, {}, set(results))
+            raise CallTimeout(f"the call on ranks {targets} can never finish (a deadlock, found "
+                              f"after {time.monotonic() - started:.1f} s, not at the "
+                              f"{timeout:g} s timeout): {self._deadlock}. Where each rank "
+                              f"was:\n\n{diagnosis}\nThe world restarts on the next call.",
+                              diagnosis)
         if stuck is not None and not errors and not deaths:
             diagnosis = self._diagnose_and_stop(targets, {}, set(results))
             raise CallTimeout(f"the call on ranks {targets} did not finish within {timeout:g} s "
@@ -464,6 +476,8 @@ class World:
         self.last_records = {}
         marks = _Marks(self, targets, results, errors, deaths)
         grace_deadline = None
+        self._deadlock = None
+        watch = _DeadlockWatch(self)
         while True:
             pending = [r for r in targets if r not in results and r not in errors
                        and r not in deaths]
@@ -475,6 +489,10 @@ class World:
                 return results, errors, deaths, pending
             if now > deadline:
                 return results, errors, deaths, pending or undrained
+            if pending and results and not errors and not deaths and not marks.waiting:
+                self._deadlock = watch.check(pending, results)
+                if self._deadlock is not None:
+                    return results, errors, deaths, pending
             for rank, message in self._pump(0.1):
                 if message is None:
                     if rank not in results and rank not in errors:
@@ -510,10 +528,9 @@ class World:
     def _diagnose_and_stop(self, targets, exited, finished=()):
         answers = diagnose.collect({r.rank: r.diagnostics for r in self._ranks
                                     if r.rank in targets and r.alive() and r.rank not in exited})
-        text = diagnose.report(answers, exited, finished)
-        self._broken = "the last call did not finish"
+        self._broken = "the last call did not finish"    # stop first, parse the answers after
         self._stop_all(kill=True)
-        return text
+        return diagnose.report(answers, exited, finished)
 
     def _raise_failure(self, targets, errors, deaths, stuck):
         __tracebackhide__ = True   # IPython: show the diagnosis, not labkit's frames
@@ -612,6 +629,130 @@ class World:
             raise ValueError(f"a 'sleep' fault needs seconds > 0, got {seconds!r}")
         self._control(rank, ("fault", {"at": at_collective, "action": action,
                                        "seconds": float(seconds)}), "fault-set")
+
+
+LOG_BYTES = 1 << 20       # the world-close debug log is rotated past this size (one old copy)
+
+
+def log_path():
+    """The world-close debug log: every close's exit codes, and the last stderr lines of a rank
+    that did not exit 0 (`$LABKIT_LOG_DIR`, else `$TMPDIR/labkit-logs`)."""
+    import tempfile
+    folder = os.environ.get("LABKIT_LOG_DIR") or os.path.join(tempfile.gettempdir(),
+                                                              "labkit-logs")
+    return os.path.join(folder, "world-close.log")
+
+
+def _log_close(world, stderr_lines):
+    """Append one line per close (pid, world, each rank's exit code) to the debug log, and the
+    last 20 stderr lines of every rank whose exit code was not 0, so the next abort leaves a
+    trace. Never raises: a log that cannot be written must not break a close."""
+    codes = world.last_exit
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} world of {world.size} "
+             f"({world.backend}) closed; exit codes: "
+             + ", ".join(f"rank {r}: {'still running, killed' if c is None else c}"
+                         for r, c in sorted(codes.items()))]
+    for rank, code in sorted(codes.items()):
+        if code != 0:
+            lines += [f"    rank {rank} stderr: {line[:500]}"
+                      for line in stderr_lines.get(rank, [])[-20:]]
+    try:
+        path = log_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path) and os.path.getsize(path) > LOG_BYTES:
+            os.replace(path, path + ".1")
+        with open(path, "a") as log:
+            log.write("\n".join(lines) + "\n")
+    except OSError:
+        pass
+
+
+class _DeadlockWatch:
+    """A deadlock found when it is certain, not at the timeout: every rank still in the call is
+    blocked in a collective whose group holds a rank that has already returned from the call
+    without issuing it (that rank will never join). Asked of the ranks' diagnostics threads
+    (the same answers as the hang diagnosis), first FIRST_PROBE s after a rank finished, then
+    every PROBE_EVERY s; the verdict needs two answers in a row that agree (the same op, the
+    same stack), so an asynchronous op a rank is not waiting for yet is not taken for a hang."""
+
+    FIRST_PROBE = 0.5
+    PROBE_EVERY = 1.0
+
+    def __init__(self, world):
+        self.world = world
+        self.next_probe = None
+        self.previous = None         # what the last probe found, to be confirmed by the next
+
+    def check(self, pending, finished):
+        """None, or the verdict (text) once two probes in a row found the same deadlock."""
+        now = time.monotonic()
+        if self.next_probe is None:
+            self.next_probe = now + self.FIRST_PROBE
+        if now < self.next_probe:
+            return None
+        self.next_probe = now + self.PROBE_EVERY
+        found = self._probe(pending, finished)
+        confirmed = found is not None and found == self.previous
+        self.previous = found
+        if not confirmed:
+            return None
+        return "; ".join(f"rank{'s' if len(waiters) > 1 else ''} "
+                         f"{', '.join(map(str, waiters))} wait{'' if len(waiters) > 1 else 's'} "
+                         f"in {op} #{seq} on ranks {list(group)}, which rank"
+                         f"{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} "
+                         f"(finished this call) will never issue"
+                         for (group, seq, op), (waiters, absent) in sorted(found[0].items()))
+
+    def _probe(self, pending, finished):
+        """({(group, seq, op): (waiting ranks, finished ranks that never issued it)}, stacks)
+        if every pending rank waits in such a collective, else None."""
+        ranks = {r.rank: r for r in self.world._ranks}
+        connections = {}
+        for rank in list(pending) + sorted(finished):
+            connection = ranks[rank].diagnostics
+            try:
+                while connection.poll():       # a late answer to an earlier probe: drop it
+                    connection.recv_bytes()
+            except (EOFError, OSError):
+                return None
+            connections[rank] = connection
+        answers = {rank: _parsed(raw)
+                   for rank, raw in diagnose.collect(connections, seconds=1.0).items()}
+        if any(answer is None for answer in answers.values()):
+            return None                        # a rank that does not answer: not certain
+        blocked, stacks = {}, {}
+        for rank in pending:
+            answer = answers[rank]
+            current = [r for r in answer["current"] if not r["finished"]]
+            newest = answer["recent"][-1] if answer["recent"] else None
+            if len(current) != 1 or current[0]["peer"] is not None or newest is None \
+                    or (newest["seq"], newest["op"]) != (current[0]["seq"], current[0]["op"]):
+                return None                    # not (only) blocked in its newest collective
+            record = current[0]
+            group = tuple(record["group"])
+            absent = [r for r in group if r in finished
+                      and answers[r]["collective_counts"].get(str(list(group)), 0)
+                      < record["seq"]]
+            if not absent:
+                return None
+            key = (group, record["seq"], record["op"])
+            blocked.setdefault(key, ([], absent))[0].append(rank)
+            stacks[rank] = answer["stack"]
+        return blocked, stacks
+
+
+def _parsed(raw):
+    """A rank's diagnosis as `diagnose` reads it (checked against the snapshot's shape when
+    `diagnose.parse` exists); None if there is none."""
+    parse = getattr(diagnose, "parse", None)
+    if parse is not None:
+        return parse(raw)
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None
+    return raw
 
 
 def _receive(connection):
