@@ -6,16 +6,25 @@
     traffic.matrix[r][q]     # ... of which to rank q
     traffic.outside[r]       # ... to sockets that belong to no rank (a store, anything else)
     traffic.marks[label]     # the matrix as it was when every rank reached labkit.mark(label)
-    traffic.unaccounted      # bytes on the network that no live rank socket carried (None if
-                             # the ranks share the network with other programs)
+    traffic.unaccounted      # bytes that reached the ranks' network but no rank can be named
+                             # as their sender (see below)
+    traffic.lost             # connections of a rank that closed inside the calls with both
+                             # ends gone: their last bytes could not be read (plain worlds)
 
-Where the numbers come from: the operating system's own counters, read by this process. Each rank
-process's open sockets are found in /proc/<pid>/fd; the kernel's TCP counters of every socket
-(`bytes_sent` of tcp_info, as `ss -ti` prints them) say what it carried; a socket's peer address
-names the rank at the other end. Nothing here asks a rank anything, so code running on a rank
-cannot change what is counted. Under `labkit grade` the ranks have a network namespace of their
-own, and its loopback counters also catch bytes that went another way (a connection opened and
-closed within the call, UDP): `unaccounted`.
+Where the numbers come from: the operating system's own counters, read by this process. A rank
+is its process and every process it started (its process tree: a child forked by the rank's code
+sends on the rank's behalf); their open sockets are found in /proc/<pid>/fd, before and again
+after the counters are read, so that a socket opened or closed while they are read still has its
+owner. The kernel's TCP counters of every socket (`bytes_sent` of tcp_info, as `ss -ti` prints
+them) say what it carried; a socket's peer address names the rank at the other end. A connection
+whose sending end closed inside the call is counted from its receiving end (`bytes_received`).
+Nothing here asks a rank anything, so code running on a rank cannot change what is counted.
+
+`unaccounted`: bytes a rank's socket received from a sender that is no rank's (a socket of a
+process outside every rank's tree, or one that closed before it could be named). Under `labkit
+grade` the ranks have a network namespace of their own, and its loopback counters also catch
+bytes that went another way (a connection opened and closed within the call, UDP): there
+`unaccounted` is at least the loopback's payload less what the rank sockets carried.
 """
 from __future__ import annotations
 
@@ -65,17 +74,25 @@ def sockets(netns_pid: int | None = None) -> dict[int, Socket]:
     except (OSError, subprocess.SubprocessError) as error:
         raise TrafficError(f"cannot read socket counters with {' '.join(command)}: {error}") \
             from None
-    found, current = {}, None
+    return parse_ss(text)
+
+
+def parse_ss(text: str) -> dict:
+    """{key: Socket} from the text of `ss -tinHe`: key is the socket's inode, or ("closed",
+    local, peer) for a socket no process holds any more that still has counters."""
+    found, current, counted = {}, None, set()
     for line in text.splitlines():
         if not line.startswith((" ", "\t")):
             match = _ADDRESS.match(line)
             current = None
             if match:
                 fields = dict(_FIELD.findall(line))
-                if int(fields.get("ino", 0)):        # 0: a closed socket (TIME-WAIT), no owner
-                    current = int(fields["ino"])
-                    found[current] = Socket(_plain_address(match.group(1)),
-                                            _plain_address(match.group(2)), 0, 0)
+                local, peer = _plain_address(match.group(1)), _plain_address(match.group(2))
+                # ino 0: no process holds the socket any more. A TIME-WAIT one has no counters
+                # (no info line follows); one still sending its last bytes (FIN-WAIT, LAST-ACK)
+                # has, and is kept under its address pair: the connection it was is found by it
+                current = int(fields.get("ino", 0)) or ("closed", local, peer)
+                found[current] = Socket(local, peer, 0, 0)
             continue
         if current is None:
             continue
@@ -85,7 +102,9 @@ def sockets(netns_pid: int | None = None) -> dict[int, Socket]:
         found[current].wire = int(fields.get("bytes_sent", 0))
         found[current].sent = found[current].wire - int(fields.get("bytes_retrans", 0))
         found[current].received = int(fields.get("bytes_received", 0))
-    return found
+        counted.add(current)
+    # a TIME-WAIT socket has no counters left: keeping it would read as a socket that sent 0
+    return {key: sock for key, sock in found.items() if key in counted or isinstance(key, int)}
 
 
 def _plain_address(address: str) -> str:
@@ -94,6 +113,49 @@ def _plain_address(address: str) -> str:
         host, _, port = address[len("[::ffff:"):].partition("]:")
         return f"{host}:{port}"
     return address
+
+
+def process_trees(pids: dict) -> dict:
+    """{pid: rank} for every process of every rank's tree: the rank's process and all its
+    descendants (children, grandchildren, ...), from the parent ids in /proc/<pid>/stat.
+    pids: {rank: pid}. A process that left its tree (re-parented when its parent died) is no
+    rank's: what it sends a rank counts as unaccounted."""
+    children = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        names = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue                         # exited while we looked
+        # the name field may hold spaces and parentheses: the fields after its last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    rank_of = {}
+    for rank, pid in pids.items():
+        todo = [pid]
+        while todo:
+            current = todo.pop()
+            if current in rank_of:
+                continue
+            rank_of[current] = rank
+            todo.extend(children.get(current, ()))
+    return rank_of
+
+
+def socket_owners(pids: dict) -> dict:
+    """{socket inode: rank} for the sockets the processes of every rank's tree hold open."""
+    owner = {}
+    for pid, rank in process_trees(pids).items():
+        for inode in socket_inodes(pid):
+            owner.setdefault(inode, rank)
+    return owner
 
 
 def socket_inodes(pid: int) -> set[int]:
@@ -129,46 +191,132 @@ class Snapshot:
     sockets: dict          # inode -> Socket
     owner: dict            # inode -> rank
     loopback: tuple | None  # (tx bytes, tx packets) of a private network namespace
+    launcher: frozenset = frozenset()   # inodes the measuring process holds (the store it hosts)
 
 
 def snapshot(pids: dict, netns_pid: int | None = None, private_network: bool = False) -> Snapshot:
-    """The counters now. pids: {rank: pid}."""
-    owner = {}
-    for rank, pid in pids.items():
-        for inode in socket_inodes(pid):
-            owner[inode] = rank
+    """The counters now. pids: {rank: pid}. Owners are read before and after the counters: a
+    socket opened while `ss` runs, or closed just after it read the socket, still has one."""
+    owner = socket_owners(pids)
     socks = sockets(netns_pid)
+    for inode, rank in socket_owners(pids).items():
+        owner.setdefault(inode, rank)
     loopback = loopback_counters(netns_pid) if private_network and netns_pid else None
-    return Snapshot(socks, owner, loopback)
+    return Snapshot(socks, owner, loopback, frozenset(socket_inodes(os.getpid())))
 
 
-def _between(before: Snapshot, after: Snapshot, size: int):
-    """matrix[r][q], outside[r], and the bytes all live sockets put on the wire (retransmissions
-    included, as the interface counters count them), from two snapshots."""
+@dataclasses.dataclass
+class Account:
+    """What two snapshots say: see `account`."""
+    matrix: list           # matrix[r][q]: payload bytes rank r sent rank q
+    outside: list          # outside[r]: ... to sockets of no rank
+    carried: int           # wire bytes (retransmissions included) of the ranks' connections
+    unaccounted: int       # bytes rank sockets received from a sender no rank can be named for
+    lost: list             # (rank, local, peer): a rank's connection gone with both its ends
+
+
+def account(before: Snapshot, after: Snapshot, size: int) -> Account:
+    """Every connection a rank held during the interval, counted once, from two snapshots.
+
+    A connection is its pair of addresses: the other end of (local, peer) is (peer, local). (A
+    local address alone is not enough: once a listener has closed, another rank may listen on
+    the same port, and two processes then hold sockets with the same local address.) Its bytes
+    are what its sending end sent (`sent`, each byte once); when that end closed inside the
+    interval, what its receiving end received. Nothing a rank's socket received is dropped: a
+    sender that is no rank's makes it `unaccounted`."""
     matrix = [[0] * size for _ in range(size)]
     outside = [0] * size
-    # a connection is its pair of addresses: the other end of (local, peer) is (peer, local).
-    # (A local address alone is not enough: once a listener has closed, another rank may listen
-    # on the same port, and two processes then hold sockets with the same local address.)
-    by_pair = {(s.local, s.peer): inode for inode, s in after.sockets.items()}
-    carried = 0
-    for inode, sock in after.sockets.items():
-        earlier = before.sockets.get(inode)
+    carried = unaccounted = 0
+    lost = []
+
+    def owner(key):
+        return after.owner.get(key, before.owner.get(key))
+
+    after_by_pair = {(s.local, s.peer): key for key, s in after.sockets.items()}
+    before_by_pair = {(s.local, s.peer): key for key, s in before.sockets.items()}
+
+    def now(key, sock):
+        """This socket's counters in `after` (by inode, or closed and kept under its pair)."""
+        if key in after.sockets:
+            return after.sockets[key]
+        closed = after.sockets.get(("closed", sock.local, sock.peer))
+        return closed
+
+    def end_of(sock):
+        """The other end of a connection: (key, socket in after or None, socket in before)."""
+        pair = (sock.peer, sock.local)
+        key = after_by_pair.get(pair, before_by_pair.get(pair))
+        if key is None:
+            return None, None, None
+        earlier = before.sockets.get(key)
+        later = after.sockets.get(key)
+        if later is None and earlier is not None:
+            later = now(key, earlier)
+        return key, later, earlier
+
+    # 1. every socket with counters at the end: what it sent since the start
+    counted = set()
+    for key, sock in after.sockets.items():
+        earlier = before.sockets.get(key)
+        if earlier is None and isinstance(key, tuple):
+            earlier = before.sockets.get(before_by_pair.get((sock.local, sock.peer)))
+        rank = owner(key)
+        if rank is None and isinstance(key, tuple):           # closed: its owner at the start
+            rank = owner(before_by_pair.get((sock.local, sock.peer)))
+        if rank is None:
+            continue                       # no rank's: what it sent a rank is found in step 3
+        counted.add((sock.local, sock.peer))
         carried += max(0, sock.wire - (earlier.wire if earlier is not None else 0))
         delta = sock.sent - (earlier.sent if earlier is not None else 0)
         if delta <= 0:
             continue
-        rank = after.owner.get(inode, before.owner.get(inode))
-        if rank is None:
-            continue
-        peer_inode = by_pair.get((sock.peer, sock.local))
-        peer = None if peer_inode is None else after.owner.get(peer_inode,
-                                                               before.owner.get(peer_inode))
+        peer_key, _, _ = end_of(sock)
+        peer = None if peer_key is None else owner(peer_key)
         if peer is None:
             outside[rank] += delta
         else:
             matrix[rank][peer] += delta
-    return matrix, outside, carried
+    # 2. a rank's socket gone by the end (closed, its counters with it): its bytes since the start
+    # are what the other end received, where that end is still there
+    for key, sock in before.sockets.items():
+        rank = owner(key)
+        if rank is None or (sock.local, sock.peer) in counted:
+            continue
+        if now(key, sock) is not None:
+            continue
+        _, peer_now, peer_then = end_of(sock)
+        if peer_now is None:
+            lost.append((rank, sock.local, sock.peer))
+            continue
+        got = peer_now.received - (peer_then.received if peer_then is not None else 0)
+        if got > 0:
+            peer = owner(after_by_pair.get((sock.peer, sock.local)))
+            carried += got
+            counted.add((sock.local, sock.peer))
+            if peer is None:
+                outside[rank] += got
+            else:
+                matrix[rank][peer] += got
+    # 3. what rank sockets received from a sender no rank can be named for: a process outside
+    # every rank's tree, or one whose socket closed before it was seen (opened and closed inside
+    # the interval). Only the measuring process's own sockets (the store it hosts) are not.
+    for key, sock in after.sockets.items():
+        if owner(key) is None or (sock.peer, sock.local) in counted:
+            continue
+        peer_key, _, _ = end_of(sock)
+        if peer_key is not None and peer_key in after.launcher:
+            continue
+        earlier = before.sockets.get(key)
+        got = sock.received - (earlier.received if earlier is not None else 0)
+        unaccounted += max(0, got)
+    return Account(matrix, outside, carried, unaccounted, lost)
+
+
+def _between(before: Snapshot, after: Snapshot, size: int):
+    """matrix[r][q], outside[r], and the bytes the ranks' connections put on the wire
+    (retransmissions included, as the interface counters count them), from two snapshots."""
+    counts = account(before, after, size)
+    return counts.matrix, counts.outside, counts.carried
 
 
 class Traffic:
@@ -181,6 +329,7 @@ class Traffic:
         self.outside = [0] * self.size
         self.marks: dict = {}
         self.unaccounted = None
+        self.lost: list = []
         self.complete = False
         self._start = None
 
@@ -205,7 +354,11 @@ class Traffic:
             rows.append(f"rank {r:<3}" + "".join(f"{c:>{width}}" for c in self.matrix[r])
                         + f"{self.outside[r]:>{width}}")
         if self.unaccounted is not None:
-            rows.append(f"bytes on the network no rank socket carried: {self.unaccounted}")
+            rows.append(f"bytes on the network no rank can be named as the sender of: "
+                        f"{self.unaccounted}")
+        if self.lost:
+            rows.append(f"connections closed inside the call whose last bytes could not be "
+                        f"read: {len(self.lost)}")
         return "\n".join(rows)
 
     def __repr__(self):
@@ -261,12 +414,14 @@ class Traffic:
         if self.world._broken or self.world._closed:
             return False       # ranks restarted: their sockets are gone, the counts incomplete
         end = self._take()
-        self.matrix, self.outside, carried = _between(self._start, end, self.size)
+        counts = account(self._start, end, self.size)
+        self.matrix, self.outside, self.lost = counts.matrix, counts.outside, counts.lost
+        self.unaccounted = counts.unaccounted
         if self._start.loopback is not None and end.loopback is not None:
             data = end.loopback[0] - self._start.loopback[0]
             packets = end.loopback[1] - self._start.loopback[1]
             payload = max(0, data - LOOPBACK_HEADER_BYTES * packets)
-            self.unaccounted = max(0, payload - carried)
+            self.unaccounted = max(self.unaccounted, payload - counts.carried)
         self.complete = True
         return False
 
