@@ -48,15 +48,33 @@ def test_route_renormalises_over_k_and_the_bias_only_selects(seed, tokens, exper
     top_k = data.draw(st.integers(1, experts))
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed),
                          dtype=torch.float64)
-    weights, chosen = moe.route(logits, top_k)
+    weights, chosen = moe.route(logits, top_k, renormalise=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, dtype=torch.float64))
     assert torch.equal(chosen, logits.topk(top_k, dim=-1).indices)
     bias = torch.linspace(-0.3, 0.3, experts, dtype=torch.float64)
-    biased_weights, biased = moe.route(logits, top_k, bias)
+    biased_weights, biased = moe.route(logits, top_k, bias, renormalise=True)
     probs = logits.softmax(-1)
     assert torch.equal(biased, (probs + bias).topk(top_k, dim=-1).indices)
     picked = probs.gather(1, biased)
     torch.testing.assert_close(biased_weights, picked / picked.sum(-1, keepdim=True))
+    kept, _ = moe.route(logits, top_k, renormalise=False)
+    torch.testing.assert_close(kept, probs.gather(1, chosen))
+
+
+def test_route_at_top_1_keeps_the_probability_so_the_router_learns():
+    """Switch's top-1 gate is the chosen expert's probability: the router gets a gradient. A
+    renormalised single choice is exactly 1, whatever the logits: no gradient (the default
+    renormalises only for k > 1, as GShard's top-2 and Mixtral do)."""
+    logits = torch.randn(16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for renormalise, learns in ((None, True), (False, True), (True, False)):
+        leaf = logits.clone().requires_grad_(True)
+        weights, chosen = moe.route(leaf, 1, renormalise=renormalise)
+        (weights.squeeze(1) * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        assert (leaf.grad.abs().max().item() > 1e-3) is learns, (renormalise, leaf.grad.abs().max())
+        if not learns:
+            assert torch.equal(weights, torch.ones_like(weights))
+    two, _ = moe.route(logits, 2)
+    torch.testing.assert_close(two.sum(-1), torch.ones(16, dtype=torch.float64))
 
 
 def test_route_and_capacity_reject_bad_arguments_with_the_values():

@@ -2,7 +2,7 @@
 (`course/07_mixture_of_experts.ipynb`), lab 7 and the interview drill.
 
     from labkit import moe
-    weights, experts = moe.route(logits, top_k=2)              # softmax, top-k, renormalised
+    weights, experts = moe.route(logits, top_k=2)              # softmax, top-k, renormalised (k > 1)
     moe.capacity(tokens=4096, top_k=8, experts=256, factor=1.25)   # -> 160 slots per expert
     moe.ep_bytes_per_rank(tokens=4096, top_k=8, hidden=7168, ep=64)  # dispatch + combine, BF16
     moe.imbalance([950, 1020, 890, 3200])                      # cv, max_over_mean, gini
@@ -42,14 +42,21 @@ DEEPSEEK_V3 = {
 }
 
 
-def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
-    """Top-k routing: softmax over the E experts, the k largest, weights renormalised over the k.
+def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
+          renormalise: bool | None = None):
+    """Top-k routing: softmax over the E experts, the k largest, their weights.
 
     logits: [N, E]. Returns (weights [N, K], experts [N, K] int64), each row's choices in
     decreasing order of selection score. With `bias` ([E], DeepSeek-V3's auxiliary-loss-free
     balancing) the experts are selected by probs + bias, but the weights still come from the
     probabilities alone: the bias steers who is chosen, never how much an expert's output counts.
     Half-precision logits are routed in float32 (a softmax in BF16 ties and misorders experts).
+
+    `renormalise`: divide the k chosen probabilities by their sum (GShard's top-2 and Mixtral do;
+    DeepSeek-V3 does it over its sigmoid scores) or keep them as they are (Switch Transformer's
+    top-1: the gate is the chosen expert's probability p, so the router learns through y = p E(x);
+    renormalised, a single choice is exactly 1 and the router gets no gradient from the task).
+    The default, None, is what those models do: renormalise when top_k > 1, not at top_k = 1.
     Taught in chapter 7, section 1.
     """
     if logits.dim() != 2:
@@ -69,7 +76,10 @@ def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
         selection = probs + bias.to(probs.dtype)
     _, experts = selection.topk(top_k, dim=-1)                       # [N, K]
     weights = probs.gather(1, experts)                               # [N, K]
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if renormalise is None:
+        renormalise = top_k > 1
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
 
