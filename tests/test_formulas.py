@@ -8,10 +8,10 @@ from labkit import formulas
 
 
 def test_a_check_passes_within_its_tolerance_and_raises_outside():
-    assert formulas.check("x", 100, 100.5, rel_tol=0.01).passed
+    assert formulas.check("x", 100, 100.5, rel_tol=0.01, kind="measured").passed
     with pytest.raises(formulas.FormulaMismatch, match=r"predicted 100, measured 110; error 10"):
-        formulas.check("x", 100, 110, rel_tol=0.01)
-    assert formulas.check("exact", 3, 3).worst_error == 0
+        formulas.check("x", 100, 110, rel_tol=0.01, kind="measured")
+    assert formulas.check("exact", 3, 3, kind="measured").worst_error == 0
 
 
 def test_bounds_and_sweeps():
@@ -41,7 +41,8 @@ def test_records_are_read_back_from_an_executed_notebook():
 
 
 def test_error_against_zero_is_shown_absolute():
-    zero = formulas.check("a difference that should vanish", [0, 0], [5.55e-17, 0], abs_tol=1e-10)
+    zero = formulas.check("a difference that should vanish", [0, 0], [5.55e-17, 0], abs_tol=1e-10,
+                          kind="measured")
     assert zero.passed and "error 5.55e-17 absolute" in zero.line()
     assert formulas.error_text([2.0], [2.2], 0.1) == "10.00%"
     assert formulas.error_text([0.0], [0.0], 0.0) == "exact"

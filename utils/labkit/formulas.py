@@ -1,8 +1,9 @@
-"""The ledger of formula checks: every formula the course teaches, checked against a measurement.
+"""The ledger of formula checks: every formula the course teaches, and the evidence for it.
 
     from labkit import formulas
     formulas.check("ring all-reduce: bytes sent per rank", predicted=2 * (P - 1) / P * n,
-                   measured=trace.bytes_sent(0), rel_tol=0.01, unit="B")
+                   measured=traffic.sent[0], rel_tol=0.01, unit="B", kind="measured",
+                   why="gloo framing: 144 B per message x 4 messages")
 
 A check compares what a formula predicts with what real ranks did (bytes counted, memory measured,
 time taken) under a stated tolerance. It prints one line in the cell, records itself in the cell's
@@ -16,10 +17,21 @@ is the worst element's). `bound="upper"` checks measured <= predicted (within th
 `bound="lower"` measured >= predicted: for formulas that are limits (the most microbatches alive,
 the least bytes a split must move).
 
-`timing=True` marks a check of a time (seconds, bandwidth) measured on a machine others share:
-it is recorded and shown with its error like any other, but one outside its tolerance does not
-raise (a loaded machine is not a wrong formula); the ledger lists it as "off (timing)". Bytes,
-counts and values are never timings.
+Every check says what kind of evidence it is (`kind=`, required; docs/AUTHORS.md has examples):
+
+- "measured": a quantity produced by real ranks, the OS (socket counters, /proc) or torch's
+  profiler and allocator, against a formula computed independently of the code that produced it;
+- "reproduction": the course's formula against a paper's printed figures (name it in `source`);
+- "simulation": against a simulation (a virtual clock, a Monte-Carlo); say of what in `basis=`
+  (or in `source`): the agreement shows the arithmetic, not that the model fits the world;
+- "timing": a wall-clock time or a bandwidth on a machine others share, recorded with its band
+  (the tolerance) and never raised: a loaded machine is not a wrong formula. `timing=True` is the
+  old spelling of kind="timing". Bytes, counts and values are never timings.
+
+There is no "identity" kind: a check whose two sides come from the same definition (a count
+compared with itself, a function of the notebook tested against its own formula) is a unit test
+and lives in tests/, not in the ledger. `why=` says why the tolerance is what it is ("gloo
+framing: 144 B per message x 12 messages"); the ledger shows it next to the tolerance.
 """
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ import math
 
 MIME = "application/vnd.labkit.formula+json"
 BOUNDS = (None, "upper", "lower")
+KINDS = ("measured", "reproduction", "simulation", "timing")
 
 
 class FormulaMismatch(AssertionError):
@@ -48,6 +61,9 @@ class FormulaCheck:
     worst_error: float          # relative error of the worst element (inf where predicted is 0)
     passed: bool
     timing: bool = False        # a time on a shared machine: shown, never raised
+    kind: str | None = None     # one of KINDS (None only for a bare `evaluate`)
+    why: str = ""               # why the tolerance is what it is
+    basis: str = ""             # for a simulation: what was simulated
 
     def as_record(self) -> dict:
         record = dataclasses.asdict(self)
@@ -69,9 +85,12 @@ class FormulaCheck:
         if self.abs_tol:
             tolerance.append(f"{self.abs_tol:.3g}{(' ' + self.unit) if self.unit else ''} absolute")
         error = error_text(self.predicted, self.measured, self.worst_error, self.unit)
+        measured_as = {"reproduction": "reproduced", "simulation": "simulated",
+                       "timing": "timed"}.get(self.kind, "measured")
+        why = f" ({self.why})" if self.why else ""
         return (f"[formula {mark}] {self.name}{relation}: predicted {show(self.predicted)}, "
-                f"measured {show(self.measured)}; error {error}, tolerance "
-                f"{' or '.join(tolerance) or 'exact'}")
+                f"{measured_as} {show(self.measured)}; error {error}, tolerance "
+                f"{' or '.join(tolerance) or 'exact'}{why}")
 
 
 def error_text(predicted: list, measured: list, worst_error: float | None, unit: str = "") -> str:
@@ -109,12 +128,43 @@ def _within(predicted: float, measured: float, rel_tol: float, abs_tol: float,
     return abs(measured - predicted) <= slack
 
 
+def _kind_of(name: str, kind: str | None, timing: bool, source: str, basis: str,
+             required: bool) -> str | None:
+    """The declared kind, checked: one of KINDS; timing=True means (and implies) "timing"."""
+    if timing:
+        if kind not in (None, "timing"):
+            raise ValueError(f"formulas.check({name!r}): timing=True is kind='timing', but "
+                             f"kind={kind!r} was given; drop timing=True or the other kind")
+        return "timing"
+    if kind is None:
+        if required:
+            raise ValueError(f"formulas.check({name!r}): no kind given; say what kind of evidence "
+                             f"this is: kind= one of {KINDS} (see docs/AUTHORS.md)")
+        return None
+    if kind == "identity":
+        raise ValueError(f"formulas.check({name!r}): 'identity' is not a kind of evidence: both "
+                         f"sides come from the same definition; make it a unit test in tests/ or "
+                         f"measure the quantity independently (kinds: {KINDS})")
+    if kind not in KINDS:
+        raise ValueError(f"formulas.check({name!r}): kind must be one of {KINDS}, got {kind!r}")
+    if kind == "reproduction" and not source.strip():
+        raise ValueError(f"formulas.check({name!r}): a reproduction names its source "
+                         f"(source='Rajbhandari et al. 2020, table 1')")
+    if kind == "simulation" and not (basis.strip() or source.strip()):
+        raise ValueError(f"formulas.check({name!r}): a simulation says what it simulates "
+                         f"(basis='a virtual clock whose step is ...')")
+    return kind
+
+
 def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
              bound: str | None = None, unit: str = "", source: str = "",
-             timing: bool = False) -> FormulaCheck:
-    """The check as data, without printing or raising (what `check` records)."""
+             timing: bool = False, *, kind: str | None = None, why: str = "",
+             basis: str = "") -> FormulaCheck:
+    """The check as data, without printing or raising (what `check` records). `kind` may be
+    left out here (a record without a kind cannot be published: `check` requires it)."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("formulas.check: name the formula (a non-empty string)")
+    kind = _kind_of(name.strip(), kind, timing, source, basis, required=False)
     if bound not in BOUNDS:
         raise ValueError(f"formulas.check: bound must be one of {BOUNDS}, got {bound!r}")
     if rel_tol < 0 or abs_tol < 0:
@@ -132,12 +182,14 @@ def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: floa
                   for p, m in zip(predicted, measured)]
         worst = max(errors)
     return FormulaCheck(name.strip(), predicted, measured, float(rel_tol), float(abs_tol), bound,
-                        unit, source, worst, passed, bool(timing))
+                        unit, source, worst, passed, kind == "timing", kind, why.strip(),
+                        basis.strip())
 
 
 def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float = 0.0,
           bound: str | None = None, unit: str = "", source: str = "",
-          timing: bool = False) -> FormulaCheck:
+          timing: bool = False, *, kind: str | None = None, why: str = "",
+          basis: str = "") -> FormulaCheck:
     """Record a formula checked against a measurement; raise FormulaMismatch if it fails.
 
     name: what the formula gives ("ring all-reduce: bytes sent per rank").
@@ -146,9 +198,15 @@ def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float =
     bound: None (equal), "upper" (measured <= predicted) or "lower" (measured >= predicted).
     unit: shown after the numbers ("B", "s", "GB/s"). source: where the formula comes from
     (a paper, a section), shown in the ledger. timing: a time measured on a shared machine
-    (recorded, never raised; see the module docstring).
+    (recorded, never raised; the same as kind="timing").
+    kind (required): "measured", "reproduction", "simulation" or "timing" (module docstring).
+    why: the tolerance's reason, shown in the ledger. basis: what a simulation simulates.
     """
-    result = evaluate(name, predicted, measured, rel_tol, abs_tol, bound, unit, source, timing)
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("formulas.check: name the formula (a non-empty string)")
+    _kind_of(name.strip(), kind, timing, source, basis, required=True)
+    result = evaluate(name, predicted, measured, rel_tol, abs_tol, bound, unit, source, timing,
+                      kind=kind, why=why, basis=basis)
     _publish(result)
     if not result.passed and not result.timing:
         raise FormulaMismatch(result.line() + ". The measurement and the formula disagree: "
