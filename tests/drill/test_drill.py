@@ -572,6 +572,8 @@ def test_terminal_list_and_help(capsys):
     listed = capsys.readouterr().out
     assert all(drill_id in listed for drill_id in numeric.DRILLS)
     assert all(card_id in listed for card_id in cards.CARDS)
+    assert max(len(line) for line in terminal.catalogue_text(78).splitlines()) <= 78
+    assert len(terminal.catalogue_text(78).splitlines()) < 2 * len(numeric.DRILLS) + len(cards.CARDS)
     assert terminal.run(parser.parse_args(["-n", "0"])) == 2
     from labkit.tools.cli import run_module            # what `labkit drill` will call
     assert run_module(terminal, ["--list"], prog="labkit drill") == 0

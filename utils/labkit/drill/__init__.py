@@ -19,8 +19,8 @@ questions as cards, with spaced repetition (`course/drill.ipynb`; `labkit drill`
 | `notebook` | the ipywidgets front end (`drill.widget()`) |
 
 Nothing here is a graded answer: every number comes from a function a chapter already teaches
-and measures. A drill whose chapter is still being written names the function it waits for
-(`drill.catalogue()`), and works once that function lands.
+and measures. A drill whose function is missing from labkit (an older copy of the course) names the
+function it waits for (`drill.catalogue()`) and is skipped.
 """
 from labkit.drill.base import (AnswerError, DrillError, MissingFormula, Problem,  # noqa: F401
                                Verdict, chapter_link, check, parse_number, parse_ranks)

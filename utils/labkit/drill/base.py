@@ -41,7 +41,7 @@ COURSE = Path(__file__).resolve().parents[3] / "course"     # utils/labkit/drill
 
 
 def chapter_file(chapter: int) -> str | None:
-    """course/NN_<title>.ipynb of a chapter, found by its number (None while it is being written)."""
+    """course/NN_<title>.ipynb of a chapter, found by its number (None where this copy of the course has no such notebook)."""
     found = sorted(COURSE.glob(f"{chapter:02d}_*.ipynb")) if COURSE.is_dir() else []
     return f"course/{found[0].name}" if found else None
 
@@ -50,7 +50,7 @@ def chapter_link(chapter: int, section: str = "") -> str:
     """'chapter 7 (course/07_mixture_of_experts.ipynb), section 5' in plain words."""
     where = chapter_file(chapter)
     title = CHAPTERS.get(chapter, "")
-    shown = f"chapter {chapter}, {title}" + (f" ({where})" if where else " (being written)")
+    shown = f"chapter {chapter}, {title}" + (f" ({where})" if where else " (not in this copy of the course)")
     return shown + (f", {section}" if section else "")
 
 
@@ -59,7 +59,7 @@ def chapter_link_html(chapter: int, section: str = "") -> str:
     where = chapter_file(chapter)
     title = html.escape(f"chapter {chapter}, {CHAPTERS.get(chapter, '')}")
     shown = f'<a href="{html.escape(Path(where).name)}" target="_blank">{title}</a>' if where \
-        else f"{title} (being written)"
+        else f"{title} (not in this copy of the course)"
     return shown + (f", {html.escape(section)}" if section else "")
 
 

@@ -7,9 +7,8 @@ function the chapter teaches and checks against measurements (never a copy of it
     numeric.DRILLS["ring-bytes"].missing()                # chapter functions not in labkit yet
 
 A drill names the functions it uses by their dotted names (`labkit.collectives.ring_bytes_sent`);
-they are imported when a problem is posed, so a drill whose chapter is still being written (its
-module or function absent) is skipped with the name of what it waits for, and starts working the
-moment that function lands. The drills of one topic live in one module: `numeric_comm.py`
+they are imported when a problem is posed, so a drill whose module or function is absent (an
+older copy of labkit) is skipped with the name of what it waits for. The drills of one topic live in one module: `numeric_comm.py`
 (chapters 1, 3, 4, 5) and `numeric_scale.py` (chapters 6-9).
 """
 from __future__ import annotations

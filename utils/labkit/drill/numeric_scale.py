@@ -1,6 +1,6 @@
 """Numeric drills of chapters 6-9: the 3D mesh, mixture of experts, checkpoint intervals and
-failures. Each answer comes from the chapter's own function (named in `uses`); chapters still
-being written are picked up by name when their functions land (see `numeric.formula`)."""
+failures. Each answer comes from the chapter's own function (named in `uses`, imported by name
+when a problem is posed: see `numeric.formula`)."""
 from __future__ import annotations
 
 from labkit.drill.base import bytes_text, factor, sig

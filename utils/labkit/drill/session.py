@@ -287,7 +287,7 @@ class Session:
         lines.append("Boxes: " + "  ".join(f"{b}: {c}" for b, c in s["boxes"].items())
                      + "   (box 1 comes back every session, box 5 every 16th)")
         if s["unavailable"]:
-            lines.append("Waiting for chapters being written: " + ", ".join(
+            lines.append("Waiting for functions not in labkit yet: " + ", ".join(
                 f"{k} ({', '.join(v)})" for k, v in s["unavailable"].items()) + ".")
         lines += s["notes"]
         if not any("Could not save" in n for n in s["notes"]):

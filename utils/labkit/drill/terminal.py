@@ -98,21 +98,30 @@ def drive(session: Session, screen: Screen) -> None:
                 break
 
 
-def catalogue_text() -> str:
+def catalogue_text(width: int = 78) -> str:
+    """One line per drill and card, grouped by topic, each cut to `width` (a terminal of 80
+    columns shows it unwrapped); a drill that cannot run yet names what it waits for below it."""
     from labkit.drill import catalogue
-    lines = []
-    for row in catalogue():
-        status = "ready" if row["ready"] else "waits for " + ", ".join(row["missing"])
-        lines.append(f"{row['topic']:<16} {row['id']:<22} ch. {row['chapter']}  {row['title']}")
-        lines.append(f"{'':<16} {'':<22} {row['kind']}; " +
-                     (f"uses {', '.join(row['uses'])}; " if row["uses"] else "") + status)
+    rows = catalogue()
+    key_width = max(len(r["id"]) for r in rows)
+    lines, topic = [], None
+    for row in rows:
+        if row["topic"] != topic:
+            topic = row["topic"]
+            lines.append(("" if not lines else "\n") + f"{topic}:")
+        kind = "drill" if row["kind"] == "numeric drill" else "card "
+        line = f"  {row['id']:<{key_width}}  ch.{row['chapter']:<2} {kind}  {row['title']}"
+        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+        if not row["ready"]:
+            lines.append(f"  {'':<{key_width}}  waits for {', '.join(row['missing'])}")
+    lines.append("\nNumeric drills draw fresh numbers each time; cards are seed 004's questions.")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     screen = Screen()
     if args.list:
-        screen.say(catalogue_text())
+        print(catalogue_text(screen.width), file=screen.out)
         return 0
     if args.n < 1:
         screen.say(f"labkit drill: -n must be at least 1, got {args.n}")
