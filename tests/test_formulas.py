@@ -47,3 +47,65 @@ def test_error_against_zero_is_shown_absolute():
     assert formulas.error_text([2.0], [2.2], 0.1) == "10.00%"
     assert formulas.error_text([0.0], [0.0], 0.0) == "exact"
     assert formulas.error_text([0.0], [float("nan")], None) == "not finite"
+
+
+def test_a_check_without_a_kind_or_with_an_unknown_one_raises():
+    with pytest.raises(ValueError, match=r"no kind given.*measured.*reproduction"):
+        formulas.check("ring bytes", 8, 8)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        formulas.check("ring bytes", 8, 8, kind="measurement")
+    with pytest.raises(ValueError, match="'identity' is not a kind.*unit test in tests/"):
+        formulas.check("kept = min(load, C)", 8, 8, kind="identity")
+    with pytest.raises(ValueError, match="a reproduction names its source"):
+        formulas.check("ZeRO figure 1", 120, 120, kind="reproduction")
+    with pytest.raises(ValueError, match="a simulation says what it simulates"):
+        formulas.check("bubble", 0.5, 0.5, kind="simulation")
+    with pytest.raises(ValueError, match="timing=True is kind='timing'"):
+        formulas.check("busbw", 1, 1, timing=True, kind="measured")
+    record = formulas.check("bubble", 0.5, 0.5, kind="simulation", basis="a virtual clock",
+                            why="exact: both are fractions").as_record()
+    assert (record["kind"], record["basis"], record["why"]) == ("simulation", "a virtual clock",
+                                                                "exact: both are fractions")
+    assert "simulated 0.5" in formulas.evaluate("b", 0.5, 0.5, kind="simulation", basis="x").line()
+
+
+def test_a_timing_check_outside_its_band_is_recorded_and_never_raises():
+    for measured in (0.0, 3e8, 1e12, float("nan")):
+        result = formulas.check("straggler wait", 0.1, measured, rel_tol=0.5, unit="s",
+                                kind="timing", why="a sleep on a loaded 2-core machine")
+        assert not result.passed and result.timing and result.kind == "timing"
+        assert result.line().startswith("[formula off ]")
+    inside = formulas.check("straggler wait", 0.1, 0.12, rel_tol=0.5, kind="timing")
+    assert inside.passed and inside.as_record()["kind"] == "timing"
+    assert formulas.check("old spelling", 1, 9, timing=True).kind == "timing"
+
+
+def _send_one_message(n_bytes):
+    """Rank 0 sends one float32 tensor of n_bytes to rank 1."""
+    import torch
+    import torch.distributed as dist
+    x = torch.zeros(n_bytes // 4)
+    if dist.get_rank() == 0:
+        dist.send(x, 1)
+    else:
+        dist.recv(x, 0)
+
+
+@pytest.mark.timeout(120)
+def test_gloo_framing_bytes_are_what_the_os_counts():
+    """labkit.collectives.GLOO_FRAMING_BYTES re-measured: bytes the kernel counts for a gloo
+    message of n bytes, minus n, on the sender; the receiver's notice back."""
+    import labkit
+    from labkit import collectives
+    world = labkit.world(2, backend="gloo", teaching=False)
+    try:
+        world.run(_send_one_message, 1024)                   # connections made, first-call costs paid
+        for n_bytes in (4096, 1 << 20):
+            with world.traffic() as traffic:
+                world.run(_send_one_message, n_bytes)
+            assert traffic.sent[0] - n_bytes == collectives.GLOO_HEADER_BYTES, traffic.table()
+            assert traffic.sent[1] == collectives.GLOO_NOTICE_BYTES, traffic.table()
+        assert collectives.GLOO_FRAMING_BYTES == (collectives.GLOO_HEADER_BYTES
+                                                  + collectives.GLOO_NOTICE_BYTES)
+    finally:
+        world.close()

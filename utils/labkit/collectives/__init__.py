@@ -26,6 +26,17 @@ import cloudpickle
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 
+# gloo's framing, measured once on real gloo ranks (torch 2.13, TCP over loopback): rank 0
+# dist.send()s a float32 tensor of n bytes to rank 1, and the kernel's socket counters
+# (world.traffic(), the way chapter 1 counts) give sent[0] = n + 96 and sent[1] = 48, for n =
+# 4 KiB and 1 MiB, 1 and 10 messages alike: a 96-byte header travels with every message and the
+# receiver answers each with a 48-byte notice. A collective in which every rank sends and
+# receives k messages therefore counts k x 144 bytes of framing per rank on top of its payload
+# (a 2-rank gloo all_reduce: 4 messages, 576 B). tests/test_formulas.py re-measures all three.
+GLOO_HEADER_BYTES = 96      # on the sender's socket, per message
+GLOO_NOTICE_BYTES = 48      # on the receiver's socket, per message received
+GLOO_FRAMING_BYTES = GLOO_HEADER_BYTES + GLOO_NOTICE_BYTES   # per message sent and one received
+
 
 def _check(n_bytes, world_size):
     if world_size < 1:

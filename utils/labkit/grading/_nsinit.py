@@ -11,7 +11,8 @@ What it does, in order:
   1. makes every mount private (nothing below leaks to the host), joins the sandbox's cgroups,
      brings the loopback interface up (ranks rendezvous over 127.0.0.1; nothing else is reachable);
   2. builds a new root on a tmpfs: the system directories and the Python install read-only, a
-     fresh /tmp, /dev/shm and /proc, the submission's working folder read-write; nothing else
+     fresh /tmp, /dev/shm and /proc (hidepid=2: each user sees only its own processes), the
+     submission's working folder read-write; nothing else
      (no course repository, no gradebook, no other submission, no home directory);
   3. forks; the child chroots there, drops to the sandbox user (no groups, no capabilities,
      no_new_privs), sets resource limits and execs the kernel; this process stays root, reaps
@@ -26,20 +27,17 @@ import socket
 import struct
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # python -I: only this folder
+import _proc  # noqa: E402  (standard library only, like this file)
+
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_NO_NEW_PRIVS = 38
 SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
 DEVICES = ["null", "zero", "full", "random", "urandom"]
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {source} -> {target} ({fstype}): {os.strerror(err)}")
+_libc = _proc.libc
+_mount = _proc.mount
 
 
 def _bind(source, target, read_only):
@@ -73,9 +71,7 @@ def build_root(spec):
     # private /tmp and /var/tmp first: the read-only binds below may live under /tmp (a course
     # cloned into /tmp) and must land inside these mounts, not be hidden by them
     for tmp in ["/tmp", "/var/tmp"]:
-        os.makedirs(root + tmp, exist_ok=True)
-        _mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV,
-               f"mode=1777,size={spec['tmp_bytes']}")
+        _proc.fresh_tmpfs(root + tmp, spec["tmp_bytes"])
     for path in spec["read_only"]:      # the Python install, the labkit package
         if os.path.exists(path) and not os.path.exists(root + path):
             _bind(path, root + path, read_only=True)
@@ -87,11 +83,11 @@ def build_root(spec):
     for name, target in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]:
         os.symlink(target, f"{root}/dev/{name}")
-    os.makedirs(root + "/dev/shm")
-    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=1777,size={spec['tmp_bytes']}")
+    _proc.fresh_tmpfs(root + "/dev/shm", spec["tmp_bytes"])
+    # hidepid=2: a process sees only its own user's /proc/<pid> (a rank cannot read another
+    # rank's cmdline, environment or status, nor the kernel's)
     os.makedirs(root + "/proc")
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     if os.path.isdir("/sys"):
         _bind("/sys", root + "/sys", read_only=True)
     _bind(spec["workdir"], root + spec["workdir"], read_only=False)
@@ -115,9 +111,7 @@ def run_kernel(spec):
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    for procs in spec["cgroups"]:            # our children inherit the cgroups
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
+    _proc.join_cgroups(spec["cgroups"])      # our children inherit the cgroups
     if spec["loopback"]:
         _loopback_up()
         socket.sethostname("localhost")     # own UTS namespace; resolvable, so gloo stays quiet
@@ -127,8 +121,9 @@ def main():
         try:
             run_kernel(spec)
         except BaseException as error:        # noqa: BLE001 (report anything, then leave)
-            os.write(2, f"labkit sandbox: cannot start the kernel: {error!r}\n".encode())
-        os._exit(111)
+            _proc.say(f"labkit sandbox: cannot start the kernel: {error!r}")
+        finally:
+            os._exit(111)
     while True:                               # PID 1: reap orphans until the kernel exits
         try:
             pid, status = os.wait()

@@ -26,6 +26,7 @@ import secrets
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,96 @@ _LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath
 RANK_UID_BASE = 210_000        # a slot's ranks run as uids RANK_UID_BASE + UIDS_PER_SLOT * slot + i
 UIDS_PER_SLOT = 256            # ... i counting up over the slot's worlds (each rank its own uid)
 RANK_MEMORY_BYTES = 3 << 30    # per rank without cgroups (RLIMIT_AS); the cgroup bounds the total
+MAX_REPLY_BYTES = 256 << 20    # a result's bytes from one rank (larger: that call fails)
+MAX_HEADER_BYTES = 8 << 20     # a reply's JSON header (records, traceback) or a diagnosis
+FRAME_SECONDS = 10.0           # a message that started arriving must be complete within this
+
+
+def _kill(pidfd):
+    """SIGKILL the process a pidfd refers to (never a pid: it may belong to another by now)."""
+    if pidfd is None:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ReplyRefused(Exception):
+    """A rank sent something the grader does not read: too large, or never completed."""
+
+
+class BoundedChannel:
+    """A rank's end of a channel (a multiprocessing Connection), read with bounds: a message is
+    at most `limit` bytes and must arrive whole within FRAME_SECONDS once it started, so that
+    nothing a rank sends can make the grader allocate without bound or block for good. The frames
+    are multiprocessing's (a 4-byte big-endian length, or -1 and an 8-byte one, then the bytes).
+
+    A message over the bound is never read: the rank is killed through its pidfd (`kill`), the
+    reason kept in `refused`, and the channel reads as closed from then on (EOFError)."""
+
+    def __init__(self, connection, kill, what, header_limit, payload_limit):
+        self.connection, self._kill, self.what = connection, kill, what
+        self.header_limit, self.payload_limit = header_limit, payload_limit
+        self._fd = connection.fileno()          # kept: a selector asks for it after a refusal
+        self._payload_next = False
+        self.refused = None
+
+    def fileno(self):
+        return self._fd
+
+    def send(self, obj):
+        self.connection.send(obj)
+
+    def send_bytes(self, data):
+        self.connection.send_bytes(data)
+
+    def poll(self, timeout=0.0):
+        return self.refused is None and self.connection.poll(timeout)
+
+    def close(self):
+        self.connection.close()
+
+    def _refuse(self, why):
+        self.refused = why
+        self._kill()
+        raise EOFError(why)
+
+    def _read_exact(self, size, deadline):
+        chunks, left = [], size
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([self._fd], [], [], wait)[0]:
+                self._refuse(f"{self.what} started a message and did not finish it within "
+                             f"{FRAME_SECONDS:g} s")
+            chunk = os.read(self._fd, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError(f"{self.what} closed its channel")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def recv_bytes(self, maxlength=None):
+        if self.refused is not None:
+            raise EOFError(self.refused)
+        payload, self._payload_next = self._payload_next, False
+        limit = self.payload_limit if payload else self.header_limit
+        if maxlength is not None:
+            limit = min(limit, maxlength)
+        deadline = time.monotonic() + FRAME_SECONDS
+        size, = struct.unpack("!i", self._read_exact(4, deadline))
+        if size == -1:
+            size, = struct.unpack("!Q", self._read_exact(8, deadline))
+        if size < 0 or size > limit:
+            self._refuse(f"{self.what} sent {'a result' if payload else 'a message'} of {size} "
+                         f"bytes, over the grader's limit of {limit} bytes")
+        data = self._read_exact(size, deadline)
+        if not payload:
+            try:      # a header announcing a payload: the next message is the (larger) payload
+                self._payload_next = json.loads(data).get("payload") is True
+            except (ValueError, AttributeError):
+                pass  # not a header: the caller finds that out itself
+        return data
 
 
 class _Process:
@@ -58,8 +149,7 @@ class _Process:
         return self.popen.poll()
 
     def kill(self):
-        if self.popen.poll() is None:
-            self.popen.kill()
+        _kill(self.sentinel)
 
     def join(self, timeout=None):
         try:
@@ -102,6 +192,7 @@ class Zygote:
                      "TORCH_CPP_LOG_LEVEL": "ERROR"})
         child.close()
         self._buffer = b""
+        self._pidfds = []                # pidfds that came with "pid" messages, in order
         self._expect("ready", start_timeout)
 
     def _lines(self, timeout):
@@ -109,18 +200,27 @@ class Zygote:
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             return []
-        data = self.sock.recv(1 << 16)
+        data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
+        self._pidfds += fds
         if not data:
             raise RuntimeError(f"the sandbox's rank starter stopped: {self.log_tail()}")
         self._buffer += data
+        if len(self._buffer) > MAX_HEADER_BYTES:
+            raise RuntimeError(f"the sandbox's rank starter sent a line over {MAX_HEADER_BYTES} "
+                               f"bytes: {self.log_tail()}")
         messages = []
         while b"\n" in self._buffer:
             line, self._buffer = self._buffer.split(b"\n", 1)
             message = json.loads(line)
             if "exit" in message:
                 self.exits[int(message["exit"])] = int(message["status"])
-            else:
-                messages.append(message)
+                continue
+            if message.get("pidfd"):
+                if not self._pidfds:
+                    raise RuntimeError(f"the rank starter's answer {message} came without a "
+                                       f"pidfd: {self.log_tail()}")
+                message["pidfd"] = self._pidfds.pop(0)
+            messages.append(message)
         return messages
 
     def _expect(self, key, timeout):
@@ -133,10 +233,12 @@ class Zygote:
                     return message
         raise RuntimeError(f"the sandbox's rank starter did not answer: {self.log_tail()}")
 
-    def spawn(self, rank, uid, settings, env, fds) -> int:
-        request = {"rank": rank, "uid": uid, "settings": settings, "env": env}
+    def spawn(self, rank, uid, settings, env, fds) -> tuple[int, int]:
+        """Start a rank: (its host pid, a pidfd of it)."""
+        request = {"rank": rank, "uid": uid, "settings": settings, "env": env, "nfds": len(fds)}
         socket.send_fds(self.sock, [json.dumps(request).encode() + b"\n"], fds)
-        return int(self._expect("pid", 60.0)["pid"])
+        reply = self._expect("pid", 60.0)
+        return int(reply["pid"]), reply["pidfd"]
 
     def exitcode(self, pid, wait=1.0):
         deadline = time.monotonic() + wait
@@ -157,6 +259,9 @@ class Zygote:
 
     def close(self):
         self.sock.close()
+        for fd in self._pidfds:
+            os.close(fd)
+        self._pidfds = []
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
@@ -165,9 +270,9 @@ class Zygote:
 class _ZygoteProcess:
     """A rank the zygote forked, looking like a multiprocessing.Process to the World."""
 
-    def __init__(self, zygote, pid):
+    def __init__(self, zygote, pid, pidfd):
         self.zygote, self.pid = zygote, pid
-        self.sentinel = os.pidfd_open(pid)
+        self.sentinel = pidfd            # opened by the zygote before it could reap the rank
         self._code = None
 
     def _ended(self, timeout=0.0):
@@ -185,11 +290,7 @@ class _ZygoteProcess:
         return self._code
 
     def kill(self):
-        if not self._ended():
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(self.sentinel)
 
     def join(self, timeout=None):
         self._ended(timeout if timeout is not None else None)
@@ -214,6 +315,8 @@ def slot_uids(slot: int) -> range:
 class SandboxWorld(World):
     plain = True               # replies are plain data, read with weights_only=True
     records_always = True      # every reply carries the call's records (hints for messages)
+    MAX_REPLY_BYTES = MAX_REPLY_BYTES
+    MAX_HEADER_BYTES = MAX_HEADER_BYTES
 
     def __init__(self, size, box, timeout=60.0, teaching=True, zygote=None):
         self.box = box
@@ -246,10 +349,11 @@ class SandboxWorld(World):
                "TORCH_CPP_LOG_LEVEL": "ERROR",    # c10d's reverse-lookup warnings: noise here
                "LOGNAME": f"rank{rank}"}
         if self.box.isolated and self.zygote is not None:
-            pid = self.zygote.spawn(rank, self._uids[rank], settings, env, fds)
+            pid, pidfd = self.zygote.spawn(rank, self._uids[rank], settings, env, fds)
             for end in child_ends:
                 end.close()
-            return _ZygoteProcess(self.zygote, pid), commands, diagnostics, out_reader, err_reader
+            return self._bounded(rank, _ZygoteProcess(self.zygote, pid, pidfd), commands,
+                                 diagnostics, out_reader, err_reader)
         if self.box.isolated:
             uid = self._uids[rank]
             spec = {"sandbox_pid": self.box.namespace_pid(), "root": self.box.root,
@@ -276,7 +380,35 @@ class SandboxWorld(World):
                                      start_new_session=True)
         for end in child_ends:
             end.close()
-        return _Process(popen), commands, diagnostics, out_reader, err_reader
+        return self._bounded(rank, _Process(popen), commands, diagnostics, out_reader,
+                             err_reader)
+
+    def _bounded(self, rank, process, commands, diagnostics, out_reader, err_reader):
+        """The rank's channels, read with bounds (BoundedChannel): the kernel's World reads them
+        as it reads any rank's; a refused message kills the rank and fails the call."""
+        kill = lambda: process.kill()  # noqa: E731
+        commands = BoundedChannel(commands, kill, f"rank {rank}", self.MAX_HEADER_BYTES,
+                                  self.MAX_REPLY_BYTES)
+        diagnostics = BoundedChannel(diagnostics, kill, f"rank {rank}'s diagnosis",
+                                     self.MAX_HEADER_BYTES, 0)
+        return process, commands, diagnostics, out_reader, err_reader
+
+    def _collect(self, targets, task_id, deadline):
+        """As the World's, and a rank whose reply was refused (BoundedChannel) is a failure of
+        this call that names the reason, not a death without one; the world then restarts."""
+        results, errors, deaths, stuck = super()._collect(targets, task_id, deadline)
+        for r in self._ranks:
+            why = r.commands.refused
+            if why is None or r.rank not in targets or r.rank in errors:
+                continue
+            deaths.pop(r.rank, None)
+            results.pop(r.rank, None)
+            errors[r.rank] = {"type": "ReplyRefused", "module": __name__, "in_communication": False,
+                              "message": f"{why}; the grader did not read it. Return less data "
+                                         f"(a summary, a smaller tensor) from the function.",
+                              "traceback": f"ReplyRefused: {why}\n"}
+            self._broken = f"rank {r.rank}'s reply was refused"
+        return results, errors, deaths, stuck
 
     # ---- measuring ---------------------------------------------------------------------------
     def rank_pids(self):

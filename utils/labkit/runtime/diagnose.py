@@ -8,6 +8,11 @@ collective) for those ops and its current stack, and this module writes the repo
     rank 0: waiting in all_reduce #2 on ranks [0, 1]: float32[4] (for 2.9 s)
     rank 1: not in a collective; last: broadcast #1 on ranks [0, 1] (finished)
     => rank 1 never issued all_reduce #2 on ranks [0, 1], which rank 0 is waiting in.
+
+What a rank answers comes from a process that runs the student's code, which can replace the
+helper that answers: `collect` reads each answer with a size bound and leaves it unparsed, so the
+caller can stop the ranks first; `report` then parses and checks every answer (`parse`), and an
+answer that is not JSON or not shaped as labkit's snapshot is no diagnosis, never an error.
 """
 
 import json
@@ -39,8 +44,13 @@ def summarize_mismatch(message):
             f"sizes and dtypes.")
 
 
+MAX_ANSWER_BYTES = 4 << 20     # a rank's diagnosis: its last ops and its stack
+
+
 def collect(connections, seconds=2.0):
-    """Ask every rank in `connections` ({rank: diag Connection}) where it is; None if no answer."""
+    """Ask every rank in `connections` ({rank: diag Connection}) where it is: {rank: the answer's
+    bytes, unparsed, or None if no answer came within `seconds`}. Each answer is read with a
+    bound (MAX_ANSWER_BYTES); a larger one counts as none."""
     answers = {rank: None for rank in connections}
     asked = {}
     for rank, connection in connections.items():
@@ -54,10 +64,50 @@ def collect(connections, seconds=2.0):
         for connection in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
             rank = asked.pop(connection)
             try:
-                answers[rank] = json.loads(connection.recv_bytes())   # JSON: never unpickled
+                answers[rank] = connection.recv_bytes(MAX_ANSWER_BYTES)
             except (EOFError, OSError, ValueError):
                 pass
     return answers
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _valid_record(record):
+    return (isinstance(record, dict) and isinstance(record.get("op"), str)
+            and _is_int(record.get("seq")) and isinstance(record.get("finished"), bool)
+            and _is_number(record.get("t_start"))
+            and (record.get("peer") is None or _is_int(record.get("peer")))
+            and isinstance(record.get("group"), list) and all(map(_is_int, record["group"]))
+            and isinstance(record.get("dtypes"), list)
+            and all(isinstance(d, str) for d in record["dtypes"])
+            and isinstance(record.get("shapes"), list)
+            and all(isinstance(shape, list) and all(map(_is_int, shape))
+                    for shape in record["shapes"]))
+
+
+def parse(answer):
+    """A rank's diagnosis (bytes of JSON, or already a dict) checked against the shape of labkit's
+    snapshot; None when it is not one (no answer, not JSON, a forged or partial snapshot)."""
+    if isinstance(answer, (bytes, bytearray)):
+        try:
+            answer = json.loads(answer)          # JSON: never unpickled
+        except (ValueError, RecursionError):
+            return None
+    if not (isinstance(answer, dict) and _is_number(answer.get("now"))
+            and isinstance(answer.get("stack"), str)
+            and isinstance(answer.get("current"), list) and isinstance(answer.get("recent"), list)
+            and all(map(_valid_record, answer["current"] + answer["recent"]))
+            and isinstance(answer.get("collective_counts"), dict)
+            and all(isinstance(k, str) and _is_int(v)
+                    for k, v in answer["collective_counts"].items())):
+        return None
+    return answer
 
 
 def describe_op(record):
@@ -75,10 +125,13 @@ def _indent(text, prefix="      "):
 def report(answers, exited=None, finished=()):
     """The per-rank text, then who never joined the collective that others wait in.
 
-    `answers`: {rank: snapshot or None}; `exited`: {rank: why} for ranks that are gone;
-    `finished`: ranks that had already returned from this call.
+    `answers`: {rank: what `collect` read (bytes), a snapshot, or None}; `exited`: {rank: why}
+    for ranks that are gone; `finished`: ranks that had already returned from this call.
     """
     exited = exited or {}
+    unreadable = {rank for rank, answer in answers.items()
+                  if answer is not None and parse(answer) is None}
+    answers = {rank: parse(answer) for rank, answer in answers.items()}
     lines = []
     waiting = {}  # (group, seq) -> (op, [ranks waiting])
     for rank in sorted(set(answers) | set(exited)):
@@ -86,6 +139,10 @@ def report(answers, exited=None, finished=()):
             lines.append(f"rank {rank}: {exited[rank]}")
             continue
         answer = answers[rank]
+        if rank in unreadable:
+            lines.append(f"rank {rank}: no diagnosis (its answer was not labkit's snapshot: "
+                         f"did the code replace labkit.runtime.hooks.snapshot?)")
+            continue
         if answer is None:
             lines.append(f"rank {rank}: did not answer (stuck outside Python, e.g. in C++ "
                          f"holding the interpreter lock)")
