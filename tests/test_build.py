@@ -65,6 +65,13 @@ def test_every_chapter_checks_formulas_and_the_ledger_counts_them(course_build):
     chapters = [str(n) for n in COURSE if n.name[:2].isdigit()]
     missing = [c for c in chapters if not by_notebook.get(c)]
     assert not missing, f"chapters without a formula checked against a measurement: {missing}"
+    from labkit import formulas
+    kindless = [(r["notebook"], r["name"]) for r in records if r.get("kind") not in formulas.KINDS]
+    assert not kindless, f"formula checks without a kind ({formulas.KINDS}): {kindless}"
+    unmeasured = [c for c in chapters if not any(r["kind"] == "measured" for r in by_notebook[c])]
+    assert not unmeasured, f"chapters with no formula checked against a measurement: {unmeasured}"
+    totals = {k: sum(r["kind"] == k for r in records) for k in formulas.KINDS}
+    assert "formula checks by kind: " + ", ".join(f"{k} {n}" for k, n in totals.items()) in printed
     assert all(r["passed"] for r in records if not r.get("timing")), \
         [r["name"] for r in records if not r["passed"] and not r.get("timing")]
     assert f"{len(records)} formula checks in" in printed

@@ -143,7 +143,8 @@ def _number(values: list, unit: str) -> str:
 
 
 def formula_table(results: list) -> list[tuple]:
-    """Rows (notebook, formula, predicted, measured, error, tolerance, status)."""
+    """Rows (notebook, formula, kind, predicted, measured, error, tolerance, why this tolerance,
+    status)."""
     rows = []
     for result in results:
         for r in result.formulas:
@@ -153,23 +154,81 @@ def formula_table(results: list) -> list[tuple]:
             if r.get("bound"):
                 tolerance += f" ({r['bound']} bound)"
             error = r.get("worst_error")
-            rows.append((str(result.notebook), r["name"], _number(r["predicted"], r.get("unit", "")),
+            kind = kind_of(r)
+            if r.get("basis"):
+                kind += f": {r['basis']}"
+            rows.append((str(result.notebook), r["name"], kind,
+                         _number(r["predicted"], r.get("unit", "")),
                          _number(r["measured"], r.get("unit", "")),
                          formulas.error_text(r["predicted"], r["measured"], error,
-                                             r.get("unit", "")), tolerance,
+                                             r.get("unit", "")), tolerance, r.get("why") or "-",
                          "ok" if r.get("passed") else
                          ("off (timing)" if r.get("timing") else "FAILED")))
     return rows
 
 
+NO_KIND = "(no kind)"
+
+
+def kind_of(record: dict) -> str:
+    """A record's kind; records from before kinds existed with timing=True are timings."""
+    kind = record.get("kind") or ("timing" if record.get("timing") else None)
+    return kind if kind in formulas.KINDS else NO_KIND
+
+
+def kind_counts(results: list) -> dict:
+    """{notebook: {kind: checks}} in notebook order, every kind present (0 where none)."""
+    counts = {}
+    for result in results:
+        row = dict.fromkeys(formulas.KINDS + (NO_KIND,), 0)
+        for r in result.formulas:
+            row[kind_of(r)] += 1
+        counts[str(result.notebook)] = row
+    return counts
+
+
+def kind_totals(results: list) -> dict:
+    totals = dict.fromkeys(formulas.KINDS + (NO_KIND,), 0)
+    for row in kind_counts(results).values():
+        for kind, n in row.items():
+            totals[kind] += n
+    return totals
+
+
+def _kinds_shown(results: list) -> tuple:
+    return formulas.KINDS + ((NO_KIND,) if kind_totals(results)[NO_KIND] else ())
+
+
+def kind_summary(results: list) -> str:
+    """One line: checks per kind ("measured 70, reproduction 3, simulation 12, timing 6")."""
+    totals = kind_totals(results)
+    return ", ".join(f"{kind} {totals[kind]}" for kind in _kinds_shown(results))
+
+
 def write_formula_ledger(results: list, out: Path) -> int:
     """build/formulas.md and build/formulas.json; returns the number of checks."""
     rows = formula_table(results)
-    head = ("notebook", "formula", "predicted", "measured", "error", "tolerance", "status")
-    lines = ["# Formulas checked against measurements on real ranks", "",
+    head = ("notebook", "formula", "kind", "predicted", "measured", "error", "tolerance",
+            "why this tolerance", "status")
+    kinds = _kinds_shown(results)
+    lines = ["# Formulas checked, and the evidence for each", "",
              f"{len(rows)} checks, written by `labkit build` from the executed notebooks "
-             "(labkit.formulas.check).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             f"(labkit.formulas.check): {kind_summary(results)}.", "",
+             "Kinds: **measured** (a quantity from real ranks, the OS or torch's profiler against a "
+             "formula computed independently), **reproduction** (against a paper's printed figures), "
+             "**simulation** (against a simulation of the same assumptions: it checks the arithmetic, "
+             "not the world), **timing** (wall clock on a shared machine: recorded with its band, "
+             "never raised). See docs/AUTHORS.md.", "",
+             "## Checks per chapter and kind", "",
+             "| chapter | " + " | ".join(kinds) + " | all |", "|" + "---|" * (len(kinds) + 2)]
+    for notebook, row in kind_counts(results).items():
+        name = Path(notebook).stem
+        lines.append(f"| {name} | " + " | ".join(str(row[k]) for k in kinds)
+                     + f" | {sum(row.values())} |")
+    totals = kind_totals(results)
+    lines += ["| **all** | " + " | ".join(str(totals[k]) for k in kinds) + f" | {len(rows)} |", "",
+              "## Every check", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     (out / "formulas.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "formulas.json").write_text(json.dumps(
@@ -190,15 +249,30 @@ def write_index(results: list, out: Path, root: Path) -> Path:
                     f"<td>{len(r.formulas)}</td><td>{esc(r.error)}</td></tr>")
     formulas = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
                        for row in formula_table(results))
+    kinds = _kinds_shown(results)
+    totals = kind_totals(results)
+    per_kind = "".join(f"<tr><td>{esc(Path(notebook).stem)}</td>"
+                       + "".join(f"<td>{row[k]}</td>" for k in kinds)
+                       + f"<td>{sum(row.values())}</td></tr>"
+                       for notebook, row in kind_counts(results).items())
+    per_kind += ("<tr><th>all</th>" + "".join(f"<th>{totals[k]}</th>" for k in kinds)
+                 + f"<th>{sum(totals.values())}</th></tr>")
+    kind_head = "".join(f"<th>{esc(k)}</th>" for k in kinds)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>The course, executed</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}</style></head><body>
 <h1>The course, executed</h1>
 <table><tr><th>notebook</th><th>status</th><th>time</th><th>formula checks</th><th>error</th></tr>
 {"".join(rows)}</table>
-<h2>Formulas checked against measurements ({len(formula_table(results))})</h2>
-<table><tr><th>notebook</th><th>formula</th><th>predicted</th><th>measured</th><th>error</th>
-<th>tolerance</th><th>status</th></tr>{formulas}</table></body></html>"""
+<h2>Formulas checked ({len(formula_table(results))}): {esc(kind_summary(results))}</h2>
+<p>measured: real ranks, the OS or torch's profiler against an independent formula; reproduction:
+a paper's printed figures; simulation: a simulation of the same assumptions; timing: wall clock,
+recorded with its band, never raised.</p>
+<table><tr><th>chapter</th>{kind_head}<th>all</th></tr>{per_kind}</table>
+<h2>Every check</h2>
+<table><tr><th>notebook</th><th>formula</th><th>kind</th><th>predicted</th><th>measured</th>
+<th>error</th><th>tolerance</th><th>why this tolerance</th><th>status</th></tr>{formulas}</table>
+</body></html>"""
     index = out / "html" / "index.html"
     index.parent.mkdir(parents=True, exist_ok=True)
     index.write_text(page, encoding="utf-8")
@@ -275,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     with_checks = sum(1 for r in results if r.formulas)
     print(f"\n{checks} formula checks in {with_checks} notebooks: {out / 'formulas.md'}; "
           f"index: {index}")
+    print(f"formula checks by kind: {kind_summary(results)}")
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed in {total:.1f}s")
     (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
     return 1 if failed else 0
