@@ -389,6 +389,15 @@ def test_unknown_topic_is_named_with_the_list_and_a_guess():
     assert drill.resolve_topic("tp") == "tensor_parallel" and drill.resolve_topic("all") is None
 
 
+def test_a_key_point_is_ticked_by_its_words_not_by_letters_inside_other_words():
+    card = cards.CARDS["whiteboard-3"]
+    ticked = lambda text: [point for point, said in card.points_mentioned(text) if said]
+    assert ticked("the metadata looked normal, I would mean it") == []
+    assert ticked("A bad batch; clipping the gradients; a rolling window of norms") == [
+        "bad data", "gradient clipping or skipping the step",
+        "a sliding-window detector on loss or norms"]
+
+
 def test_a_card_wants_an_answer_then_y_or_n(drill_file):
     s = drill.Session(topic="memory", seed=1, n=1, kinds="cards")
     q = s.next()

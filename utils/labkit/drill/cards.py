@@ -58,9 +58,17 @@ class Card:
                 f"\n([?]: waits for {exc.name})"
 
     def points_mentioned(self, text: str) -> list:
-        """[(point, mentioned?)]: a point counts as mentioned when any of its keywords appears."""
+        """[(point, mentioned?)]: a point counts as mentioned when one of its keywords appears as
+        a word (or a phrase) of its own, with an ordinary ending ("norms", "clipping"): "data"
+        inside "metadata" or "norm" inside "normal" ticks nothing."""
         low = (text or "").lower()
-        return [(point, any(k in low for k in keywords)) for point, keywords in self.key_points]
+        return [(point, any(_said(k, low) for k in keywords)) for point, keywords in self.key_points]
+
+
+def _said(keyword: str, text: str) -> bool:
+    pattern = (r"(?<![a-z0-9])" + re.escape(keyword.lower())
+               + r"(?:s|es|ed|d|ing|ping|ped|ting|ted|ning|ned)?(?![a-z0-9])")
+    return re.search(pattern, text) is not None
 
 
 # ---- figures computed from the chapters --------------------------------------------------------

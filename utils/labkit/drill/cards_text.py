@@ -84,11 +84,13 @@ TEXTS = [
                 "(asynchronous) checkpoints make the rollback short.\n"
                 "Test the guard both ways: it must fire on an injected bad batch and stay quiet "
                 "on a clean run's noise (measure its false alarms).",
-         key_points=(("bad data", ("data", "batch")),
+         key_points=(("bad data", ("bad data", "bad batch", "bad sample", "corrupt",
+                                   "outlier", "data quality", "poisoned")),
                      ("FP16 overflow / numerics", ("fp16", "overflow", "inf", "nan")),
                      ("BF16 and FP32 accumulation", ("bf16",)),
                      ("gradient clipping or skipping the step", ("clip", "skip")),
-                     ("a sliding-window detector on loss or norms", ("window", "norm", "mean")),
+                     ("a sliding-window detector on loss or norms",
+                      ("window", "moving average", "rolling", "z-score", "z score", "ema")),
                      ("roll back to a checkpoint and quarantine the batch",
                       ("rollback", "roll back", "checkpoint", "quarantine")))),
 
