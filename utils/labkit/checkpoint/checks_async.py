@@ -9,7 +9,9 @@ is caught every time, not by luck, and no verdict depends on a timing.
 
 Task 4:  simulate_async(work, tau, stall, write, restart, failures) -> wall time, and
 async_interval(stall, write, mtbf) -> tau*. Checked against the checker's closed form for
-runs with at most one failure, against Daly's formula (write = 0) over random failure traces,
+runs with at most one failure (a reference that stays with the grader:
+`labkit.grading.references.checkpoint`; the student copy has the visible cases' values), against
+Daly's formula (write = 0) over random failure traces,
 and against the first-order waste (course, section 7).
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import torch
 
 from labkit import checks as base
+from labkit import released
 from labkit.checkpoint import interval
 from labkit.checkpoint.checks import call
 
@@ -299,38 +302,6 @@ def _judge_flight(out, calls, where, case):
 
 # ---- task 4 ------------------------------------------------------------------------------------
 
-def _run_without_failure(t0, w0, work, tau, stall, write):
-    """From wall time t0 at work position w0, no failure: (end time, [(durable time, work)])."""
-    t, w, durable, last = t0, w0, [], None
-    while True:
-        segment = min(tau, work - w)
-        t += segment
-        w += segment
-        if w >= work - 1e-12:
-            return t, durable
-        if last is not None and last > t:
-            t = last                                     # one write in flight: wait for it
-        t += stall
-        last = t + write
-        durable.append((last, w))
-
-
-def one_failure_wall_time(work, tau, stall, write, restart, failure=None, during_restart=()):
-    """The wall time of a run with at most one failure, from the model's definition; the
-    failure may strike again during its restart, `during_restart` seconds into each one."""
-    end, durable = _run_without_failure(0.0, 0.0, work, tau, stall, write)
-    if failure is None or failure >= end:
-        return end
-    kept = max([w for when, w in durable if when <= failure], default=0.0)
-    t = failure
-    for delay in during_restart:
-        if not 0 <= delay < restart:
-            raise ValueError(f"a failure during a restart of {restart} s comes 0 to {restart} s "
-                             f"into it, got {delay}")
-        t += delay                                        # failed again: the restart starts over
-    return _run_without_failure(t + restart, kept, work, tau, stall, write)[0]
-
-
 def _simulate_many(rows, simulate):
     """On a rank: simulate(*row) for every row; a result or the error's text per row."""
     out = []
@@ -355,25 +326,14 @@ def check_simulate_examples(world, simulate, examples, timeout=120):
 def check_simulate_async(world, simulate, cases=12, timeout=120, case=None):
     """Task 4: simulate_async against runs with no failure and with one failure (anywhere:
     computing, copying, waiting for a write, with a write in flight, restarting)."""
-    case = case or base.Case("lab 8, task 4: simulate_async")
-    rows, expected = [], []
-    for _ in range(cases):
-        tau = float(case.integer(20, 100))
-        work = tau * case.integer(2, 8) + float(case.integer(0, 19))
-        stall = float(case.integer(1, 10))
-        write = float(case.integer(0, int(1.5 * tau)))
-        restart = float(case.integer(0, 30))
-        end = one_failure_wall_time(work, tau, stall, write, restart)
-        for failure in [None] + [float(case.integer(0, int(end))) + 0.5 for _ in range(4)]:
-            rows.append([work, tau, stall, write, restart, [] if failure is None else [failure]])
-            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure))
-        if restart >= 2:                                  # and again while restarting, twice
-            failure = float(case.integer(0, int(end))) + 0.5
-            delays = [float(case.integer(0, int(restart) - 1)) + 0.25 for _ in range(2)]
-            times = [failure, failure + delays[0], failure + delays[0] + delays[1]]
-            rows.append([work, tau, stall, write, restart, times[::-1]])    # not sorted
-            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure,
-                                                  delays))
+    reference = released.reference("checkpoint")
+    if reference is not None:
+        case = case or base.Case("lab 8, task 4: simulate_async")
+        rows, expected = reference.simulate_cases(case, cases)
+    else:                    # the student copy: the visible cases, as `labkit release` wrote them
+        table = released.load("lab08_checkpoints")["simulate_async"]
+        case = base.Case("lab 8, task 4: simulate_async", seed=table["seed"])
+        rows, expected = table["rows"], table["expected"]
     got = call(world, _simulate_many, (rows, simulate), ranks=[0], timeout=timeout)[0]
     for row, value, want in zip(rows, got, expected):
         if not isinstance(value, float) or not math.isclose(value, want, rel_tol=1e-9,

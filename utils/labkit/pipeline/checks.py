@@ -385,13 +385,3 @@ def check_bubble(fn, schedule, m: int, costs: list, latency: float, expected: fl
                              f"{latency}) is {value:.6f}, expected {expected:.6f}: the idle "
                              "time of every stage over p x the step (from 0 to the last end)")
     return value
-
-
-def gpipe_bubble(costs: list, m: int, latency: float = 0.0) -> float:
-    """GPipe's bubble with per-stage costs f_k, b_k and a message time: the step takes
-    sum_k (f_k + b_k) + 2 (p - 1) latency + (m - 1)(max f + max b) (a flow shop of identical jobs,
-    forwards then backwards); each stage works m (f_k + b_k) of it."""
-    p = len(costs)
-    f, b = [c["F"] for c in costs], [c["B"] for c in costs]
-    step = sum(f) + sum(b) + 2 * (p - 1) * latency + (m - 1) * (max(f) + max(b))
-    return 1 - m * (sum(f) + sum(b)) / (p * step)

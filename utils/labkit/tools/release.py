@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import json
 import os
 import sys
 import tempfile
@@ -77,7 +78,20 @@ def generate(root: Path, release_dir: Path | None = None, labs: list[str] | None
             if not result["success"]:
                 raise RuntimeError(f"nbgrader generate_assignment failed for {lab}:\n"
                                    f"{result.get('error') or ''}\n{result.get('log') or ''}")
+            write_expected(release_dir / lab, lab)
     return labs
+
+
+def write_expected(folder: Path, lab: str) -> None:
+    """labs/<lab>/expected.json: the visible cases' expected values, computed by the grader's
+    references (labkit.grading.references), which the student copy does not have."""
+    from labkit import released
+    from labkit.grading.references import expected
+    values = expected(lab)
+    if values is not None:
+        with open(folder / released.FILE, "w", encoding="utf-8") as f:
+            json.dump(values, f, indent=1, sort_keys=True)
+            f.write("\n")
 
 
 def _differences(expected: Path, actual: Path, prefix: str) -> list[str]:

@@ -1,0 +1,78 @@
+"""Lab 8, task 4's reference: the wall time of an asynchronous run with at most one failure
+(that failure may strike again during its restart), from the model's definition.
+
+With no failure this is simulate_async's answer, and with one failure it is a simulator of the
+task, so it stays with the grader. `labkit.checkpoint.checks_async` calls it through
+`labkit.released.reference("checkpoint")`; the student copy gets the visible cases' rows and
+values from `labs/lab08_checkpoints/expected.json`.
+"""
+from __future__ import annotations
+
+from labkit import checks as base
+
+LAB = "lab08_checkpoints"
+VISIBLE_SEED = 8004          # the visible test's cases in the student copy (expected.json)
+VISIBLE_CASES = 12           # check_simulate_async's default
+
+
+def _run_without_failure(t0, w0, work, tau, stall, write):
+    """From wall time t0 at work position w0, no failure: (end time, [(durable time, work)])."""
+    t, w, durable, last = t0, w0, [], None
+    while True:
+        segment = min(tau, work - w)
+        t += segment
+        w += segment
+        if w >= work - 1e-12:
+            return t, durable
+        if last is not None and last > t:
+            t = last                                     # one write in flight: wait for it
+        t += stall
+        last = t + write
+        durable.append((last, w))
+
+
+def one_failure_wall_time(work, tau, stall, write, restart, failure=None, during_restart=()):
+    """The wall time of a run with at most one failure, from the model's definition; the
+    failure may strike again during its restart, `during_restart` seconds into each one."""
+    end, durable = _run_without_failure(0.0, 0.0, work, tau, stall, write)
+    if failure is None or failure >= end:
+        return end
+    kept = max([w for when, w in durable if when <= failure], default=0.0)
+    t = failure
+    for delay in during_restart:
+        if not 0 <= delay < restart:
+            raise ValueError(f"a failure during a restart of {restart} s comes 0 to {restart} s "
+                             f"into it, got {delay}")
+        t += delay                                        # failed again: the restart starts over
+    return _run_without_failure(t + restart, kept, work, tau, stall, write)[0]
+
+
+def simulate_cases(case, cases: int) -> tuple[list, list]:
+    """check_simulate_async's rows [work, tau, stall, write, restart, failures] and their wall
+    times: runs with no failure and with one (anywhere: computing, copying, waiting for a write,
+    with a write in flight, restarting), drawn from `case`."""
+    rows, expected = [], []
+    for _ in range(cases):
+        tau = float(case.integer(20, 100))
+        work = tau * case.integer(2, 8) + float(case.integer(0, 19))
+        stall = float(case.integer(1, 10))
+        write = float(case.integer(0, int(1.5 * tau)))
+        restart = float(case.integer(0, 30))
+        end = one_failure_wall_time(work, tau, stall, write, restart)
+        for failure in [None] + [float(case.integer(0, int(end))) + 0.5 for _ in range(4)]:
+            rows.append([work, tau, stall, write, restart, [] if failure is None else [failure]])
+            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure))
+        if restart >= 2:                                  # and again while restarting, twice
+            failure = float(case.integer(0, int(end))) + 0.5
+            delays = [float(case.integer(0, int(restart) - 1)) + 0.25 for _ in range(2)]
+            times = [failure, failure + delays[0], failure + delays[0] + delays[1]]
+            rows.append([work, tau, stall, write, restart, times[::-1]])    # not sorted
+            expected.append(one_failure_wall_time(work, tau, stall, write, restart, failure,
+                                                  delays))
+    return rows, expected
+
+
+def released() -> dict:
+    case = base.Case("lab 8, task 4: simulate_async", seed=VISIBLE_SEED)
+    rows, expected = simulate_cases(case, VISIBLE_CASES)
+    return {"simulate_async": {"seed": VISIBLE_SEED, "rows": rows, "expected": expected}}
