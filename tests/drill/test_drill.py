@@ -389,6 +389,17 @@ def test_unknown_topic_is_named_with_the_list_and_a_guess():
     assert drill.resolve_topic("tp") == "tensor_parallel" and drill.resolve_topic("all") is None
 
 
+def test_a_wrong_number_names_the_slip_its_ratio_shows():
+    problem = numeric.DRILLS["ring-bytes"].problem(seed="0")      # all_gather, P = 4: 3 GB
+    assert (problem.params["P"], problem.answer, problem.unit) == (4, 3.0, "GB")
+    said = lambda typed: drill.check(problem, typed).message
+    assert "(P-1)/P factor is missing" in said("4 GB")              # n instead of (P-1)/P n
+    assert "one direction" in said("1.5 GB")
+    assert "P = 4 times" in said("12 GB")
+    assert "check the units" in said("3000 GB")
+    assert said("2.2 GB").endswith("the answer is 3 GB.")           # no slip claimed
+
+
 def test_a_key_point_is_ticked_by_its_words_not_by_letters_inside_other_words():
     card = cards.CARDS["whiteboard-3"]
     ticked = lambda text: [point for point, said in card.points_mentioned(text) if said]

@@ -221,8 +221,45 @@ def check(problem: Problem, text) -> Verdict:
     if right:
         return Verdict("right", f"Right: {problem.expected()}.", value)
     shown = show(value, problem.unit) if problem.kind == "number" else list(value)
-    return Verdict("wrong", f"Not quite: you said {shown}, the answer is {problem.expected()}.",
-                   value)
+    slip = recognise_slip(value, problem) if problem.kind == "number" else None
+    return Verdict("wrong", f"Not quite: you said {shown}, the answer is {problem.expected()}."
+                   + (f" {slip}" if slip else ""), value)
+
+
+def recognise_slip(value: float, problem: Problem) -> str | None:
+    """A wrong number whose ratio to the answer is a known slip gets a line naming it: a factor of
+    2 (forward only, one direction), (P-1)/P (the bus factor of a ring), P (per rank against the
+    whole group), 1000 or 1024 (units). None when the ratio says nothing."""
+    answer = float(problem.answer)
+    if not answer or not value or not math.isfinite(value):
+        return None
+    ratio = value / answer
+    near = lambda target, tol=0.01: abs(ratio / target - 1) <= tol
+    ranks = [int(problem.params[k]) for k in ("P", "dp", "tp", "pp")
+             if isinstance(problem.params.get(k), int) and problem.params[k] >= 3]
+    for P in ranks:                     # P >= 3: at P = 2, (P-1)/P = 1/2 reads as a factor 2
+        if near((P - 1) / P):
+            return f"That is (P-1)/P = {P - 1}/{P} of the answer: a step counted once too few?"
+        if near(P / (P - 1)):
+            return (f"That is P/(P-1) = {P}/{P - 1} times the answer: the (P-1)/P factor is "
+                    "missing (a rank keeps its own share; it never sends it).")
+        if near(P):
+            return f"That is P = {P} times the answer: the whole group's, not one rank's?"
+        if near(1 / P):
+            return f"That is 1/P = 1/{P} of the answer: one rank's share, not the total?"
+    for factor, slip in ((0.5, "half the answer: forward only, or one direction of two?"),
+                         (2.0, "twice the answer: a pass or a direction counted twice?")):
+        if near(factor):
+            return f"That is {slip}"
+    for factor, slip in ((1e3, "1000"), (1e-3, "1/1000"), (1e6, "10^6"), (1e-6, "10^-6")):
+        if near(factor):
+            return f"That is {slip} times the answer: check the units ({problem.unit or 'none'})."
+    for power in (1, 2, 3):
+        for factor, slip in ((1.024 ** power, "binary"), (1.024 ** -power, "decimal")):
+            if near(factor, 0.002) and problem.unit in ("KB", "MB", "GB", "TB"):
+                return (f"That is {factor:.3f} times the answer: {slip} units? "
+                        f"This answer's {problem.unit} is decimal (1 GB = 10^9 B).")
+    return None
 
 
 # ---- numbers as people write them ----------------------------------------------------------------
