@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "utils"))
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "utils"))  # after PYTHONPATH
 
 import labkit  # noqa: E402
 
@@ -62,6 +62,47 @@ def make_groups(k):
         GROUPS.append(group)
 
 
+CLOSING = 65536
+
+
+def closing_listener():
+    """Rank 1: a listener that reads every connection to its end and keeps it open; its port."""
+    import socket
+    import threading
+    import torch.distributed as dist
+    if dist.get_rank() != 1:
+        return None
+    server = socket.create_server(("127.0.0.1", 0))
+    kept = []
+
+    def serve():
+        while True:
+            conn, _ = server.accept()
+            kept.append(conn)
+            while conn.recv(1 << 16):
+                pass
+    threading.Thread(target=serve, daemon=True).start()
+    GROUPS.append(server)
+    return server.getsockname()[1]
+
+
+def program_closing(n, port):
+    """program, and rank 0 sends CLOSING bytes to rank 1 on a connection opened and closed
+    inside the call (what a process group made and destroyed inside a call does)."""
+    import socket
+    import time
+    import torch
+    import torch.distributed as dist
+    result = program(n)
+    if dist.get_rank() == 0:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"x" * CLOSING)
+    dist.barrier()
+    time.sleep(0.01)                           # rank 1's reader drains its socket
+    dist.all_reduce(torch.ones(1))
+    return result
+
+
 def ring_bytes(size, nbytes):
     """The send/recv ring: rank r sends nbytes to r+1."""
     m = [[0] * size for _ in range(size)]
@@ -95,22 +136,31 @@ def main():
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--floats", type=int, default=16384)
     parser.add_argument("--fresh", type=int, default=0)
+    parser.add_argument("--closing", action="store_true",
+                        help="rank 0 also sends 64 KB on a connection it closes inside the call")
     parser.add_argument("--groups", type=int, default=0,
                         help="extra process groups of all ranks made first (more sockets)")
     args = parser.parse_args()
     P, n = args.ranks, args.floats
     world = labkit.world(P, backend="gloo", timeout=60)
     world.run(make_groups, args.groups)
-    world.run(program, n)                           # connections made before any count
+    port = world.run(closing_listener)[1] if args.closing else None
+    call = (program_closing, n, port) if args.closing else (program, n)
+    world.run(*call)                                # connections made before any count
     measured, started = [], time.monotonic()
     for _ in range(args.calls):
         with world.traffic() as traffic:
-            world.run(program, n)
+            world.run(*call)
+        if args.closing:           # the closed connection's bytes: rank 0's, or unaccounted
+            traffic.matrix[0][1] += traffic.unaccounted or 0
+            traffic.unaccounted = 0
         measured.append(traffic)
     common = collections.Counter(
         tuple(tuple(min(c // 512 * 512, c) for c in row) for row in t.matrix) for t in measured)
     reference = [list(row) for row in common.most_common(1)[0][0]]
     ring = ring_bytes(P, n * 4)
+    if args.closing:
+        ring[0][1] += CLOSING
     # the all-reduce's share (ring reduce-scatter + all-gather: 2 (P-1)/P n to the next rank);
     # gloo picks its own algorithm, so the payload floor is the ring only, the reference the mode
     misses = []
