@@ -519,3 +519,47 @@ def test_labkit_grade_takes_the_points_of_the_wrong_answers(tmp_path):
     assert float(row["score"]) == expected and float(row["max_score"]) == sum(points.values()), (
         f"the wrong answers scored {row['score']} of {row['max_score']} ({row['problems']}); only "
         f"{sorted(KEPT)} ({expected} points) should pass\n{done.stdout[-2000:]}")
+
+
+# ---- chapter 7's capacity and balance arithmetic (moved out of the formula ledger: both sides of
+# those checks came from the same definition, so they are unit tests, not measurements) ----------
+
+def _keep_by_position(chosen, cap, n_experts):
+    """Chapter 7, section 2's rule (the notebook's cell): each expert keeps its first `cap`
+    assignments in token order. chosen [N, K] -> kept [N, K] bool."""
+    import torch.nn.functional as F
+    one_hot = F.one_hot(chosen.reshape(-1), n_experts)              # [N*K, E], token-major
+    place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1       # [N*K]
+    return (place < cap).view_as(chosen)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(64, 4, 2), (512, 8, 2), (96, 6, 1)])
+def test_capacity_keeps_min_of_load_and_c_and_the_drop_rate_is_the_excess(tokens, experts, top_k):
+    for skew in (0.0, 0.5, 1.0, 2.0):
+        for factor in (1.0, 1.25, 2.0):
+            _, chosen = moe.route(moe.skewed_logits(tokens, experts, skew, seed=2), top_k)
+            cap = moe.capacity(tokens, top_k, experts, factor)
+            kept = _keep_by_position(chosen, cap, experts)
+            load = torch.bincount(chosen.reshape(-1), minlength=experts)
+            assert torch.bincount(chosen[kept], minlength=experts).tolist() == \
+                [min(int(n), cap) for n in load]
+            assert int((~kept).sum()) == moe.dropped_assignments(load.tolist(), cap)
+
+
+def _switch_aux_loss(probs, chosen, alpha):
+    """alpha * E * sum_i f_i * P_i (Switch Transformer eq. 4; chapter 7, section 3's cell)."""
+    n_experts = probs.size(-1)
+    f = torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype) / chosen.numel()
+    return alpha * n_experts * (f * probs.mean(dim=0)).sum()
+
+
+def test_switch_aux_loss_is_alpha_when_even_and_alpha_e_when_one_expert_takes_all():
+    alpha, E = 0.01, 8
+    for top_k in (1, 2):
+        even = ep.balanced_logits(tokens=4 * E, experts=E, top_k=top_k)
+        got = _switch_aux_loss(even.softmax(-1), moe.route(even, top_k)[1], alpha).item()
+        assert math.isclose(got, alpha, rel_tol=1e-9), (top_k, got)
+    collapsed = torch.zeros(64, E, dtype=torch.float64)
+    collapsed[:, 0] = 40.0
+    got = _switch_aux_loss(collapsed.softmax(-1), moe.route(collapsed, 1)[1], alpha).item()
+    assert math.isclose(got, alpha * E, rel_tol=1e-9), got
