@@ -7,8 +7,9 @@ A test cell keeps no error output only if the trusted grader ran it to its end u
 nonce; every other test cell gets an error output, so nbgrader's own SaveAutoGrades scores it 0.
 
 ScrubHidden runs in `GenerateFeedback.preprocessors` after nbgrader's ClearHiddenTests: every
-output of a test cell that has hidden tests is checked, and any output quoting a hidden line, or
-any traceback frame in the hidden region, is replaced by a one-line note.
+output of a test cell that has hidden tests is checked, and any output quoting a secret hidden
+line (one the student's copy does not hold, see feedback.py) is replaced by a one-line note.
+FeedbackCSS (last) adds the feedback page's CSS: nbconvert's, and outputs that wrap.
 """
 from __future__ import annotations
 
@@ -91,9 +92,16 @@ class Renode(NbGraderPreprocessor):
 
 
 class ScrubHidden(NbGraderPreprocessor):
-    hidden = Dict({}, help="grade_id -> hidden lines of that test cell").tag(config=True)
+    """A test cell's output that quotes a secret line of that cell is replaced by a note.
+
+    `hidden` holds the secret lines only (feedback.secret_texts: hidden lines the student's copy
+    does not hold), so a visible failure that quotes a visible line repeated in the hidden block
+    reaches the student in full. Which output comes from a hidden line was decided where the test
+    ran (trusted.render_error); this is the net behind it."""
+    hidden = Dict({}, help="grade_id -> secret hidden lines of that test cell").tag(config=True)
 
     def preprocess(self, nb, resources):
+        from labkit.grading.feedback import quotes
         for cell in nb.cells:
             if nbtools.role(cell) != "test":
                 continue
@@ -101,12 +109,26 @@ class ScrubHidden(NbGraderPreprocessor):
             texts = self.hidden.get(grade_id, [])
             clean = []
             for out in cell.get("outputs", []):
-                blob = json.dumps(out)
-                if any(t in blob or json.dumps(t)[1:-1] in blob for t in texts):
+                if quotes(json.dumps(out), texts) is not None:
                     clean.append(_as_node({"output_type": "stream", "name": "stdout",
-                                           "text": "[grader] output hidden: it quoted a hidden "
-                                                   "test\n"}))
+                                           "text": f"[grader] output of {grade_id} hidden: it "
+                                                   "quoted a hidden test\n"}))
                 else:
                     clean.append(out)
             cell.outputs = clean
+        return nb, resources
+
+
+class FeedbackCSS(NbGraderPreprocessor):
+    """The feedback page's own CSS, in nbgrader's `resources.inlining.css`: the code highlighting
+    (what nbconvert's CSSHTMLHeaderPreprocessor would add; registered by nbgrader, it stays
+    disabled) and outputs that wrap (`white-space: pre-wrap`), so a long failure message stays
+    on the page instead of running off to the right."""
+
+    def preprocess(self, nb, resources):
+        from jupyterlab_pygments import JupyterStyle
+        from pygments.formatters import HtmlFormatter
+        from labkit.grading.feedback import WRAP_CSS
+        css = resources.setdefault("inlining", {}).setdefault("css", [])
+        css += [HtmlFormatter(style=JupyterStyle).get_style_defs(".highlight"), WRAP_CSS]
         return nb, resources

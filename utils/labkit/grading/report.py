@@ -11,11 +11,15 @@ its own to the same database (nbgrader and its formgrader never look at them):
   labkit_grading    lab, student, seconds, problems, failures, shard, graded_at: one row per
                     graded submission. `failures` maps each failed test cell to the kind of its
                     failure, the class name of the error only (AssertionError, HiddenTestFailed,
-                    TimeLimit, NotGraded...): never a message, a traceback or a line of a test.
+                    TimeLimit, NotGraded...): never a message, a traceback or a line of a test;
+  labkit_hidden_failures  lab, student, notebook, grade_id, kind, message, seed, traceback,
+                    graded_at: why each hidden test failed (instructors only; created when
+                    missing, so gradebooks made before it gain it on their next grading).
 The report: one HTML page, figures as PNG inside it (matplotlib): total scores, each test cell's
 scores and pass rate, failures by kind, grading time; tables of the tasks that fail most and of
 the submissions with problems. Every hidden-test line of the gradebook is searched for in the
-page before it is written; text that quotes one is withheld.
+page before it is written; text that quotes one is withheld. The last section, "Hidden failures
+(instructors only)", is added after that check: it quotes hidden tests on purpose.
 """
 from __future__ import annotations
 
@@ -47,7 +51,17 @@ def _tables(metadata):
                    Column("failures", Text, nullable=False),     # JSON {grade_id: kind}
                    Column("shard", String(32), nullable=False),
                    Column("graded_at", Float, nullable=False))
-    return built, graded
+    hidden = Table("labkit_hidden_failures", metadata,
+                   Column("lab", String(128), primary_key=True),
+                   Column("student", String(128), primary_key=True),
+                   Column("notebook", String(128), primary_key=True),
+                   Column("grade_id", String(128), primary_key=True),
+                   Column("kind", String(128), nullable=False),
+                   Column("message", Text, nullable=False),
+                   Column("seed", String(32), nullable=False),       # "" when none was named
+                   Column("traceback", Text, nullable=False),    # JSON list of "line N: source"
+                   Column("graded_at", Float, nullable=False))
+    return built, graded, hidden
 
 
 class ClassRecord:
@@ -57,7 +71,7 @@ class ClassRecord:
         from sqlalchemy import MetaData, create_engine
         self.engine = create_engine(db_url, future=True)
         self.metadata = MetaData()
-        self.built, self.graded = _tables(self.metadata)
+        self.built, self.graded, self.hidden = _tables(self.metadata)
 
     def create(self) -> None:
         """Create the tables if missing. Call it only after nbgrader has made its own (nbgrader
@@ -78,9 +92,22 @@ class ClassRecord:
                                                     built_at=time.time()))
 
     def save(self, lab: str, student: str, seconds: float, problems: list, failures: dict,
-             shard: str) -> None:
-        """One row per (lab, student), replaced in one transaction: a re-run overwrites it."""
+             shard: str, hidden_failures: list | None = None) -> None:
+        """One row per (lab, student), replaced in one transaction: a re-run overwrites it; with
+        it, one labkit_hidden_failures row per failed hidden test (instructors only; the table
+        is created here when a gradebook made before it lacks it)."""
+        self.hidden.create(self.engine, checkfirst=True)
         with self.engine.begin() as conn:
+            conn.execute(self.hidden.delete().where((self.hidden.c.lab == lab)
+                                                    & (self.hidden.c.student == student)))
+            for h in hidden_failures or []:
+                conn.execute(self.hidden.insert().values(
+                    lab=lab, student=student, notebook=str(h.get("notebook", ""))[:128],
+                    grade_id=str(h.get("grade_id", ""))[:128],
+                    kind=str(h.get("type", ""))[:128], message=str(h.get("message", "")),
+                    seed="" if h.get("seed") is None else str(h["seed"]),
+                    traceback=json.dumps([str(t) for t in h.get("traceback", [])]),
+                    graded_at=time.time()))
             conn.execute(self.graded.delete().where((self.graded.c.lab == lab)
                                                     & (self.graded.c.student == student)))
             conn.execute(self.graded.insert().values(
@@ -98,6 +125,19 @@ class ClassRecord:
             return {r.student: {"seconds": r.seconds, "problems": json.loads(r.problems),
                                 "failures": json.loads(r.failures), "shard": r.shard}
                     for r in result}
+
+    def hidden_failures(self, lab: str) -> list:
+        """[{student, notebook, grade_id, kind, message, seed, traceback}] of `lab`, by test cell
+        then student; [] for a gradebook without the table."""
+        from sqlalchemy import inspect, select
+        if not inspect(self.engine).has_table("labkit_hidden_failures"):
+            return []
+        with self.engine.connect() as conn:
+            result = conn.execute(select(self.hidden).where(self.hidden.c.lab == lab))
+            rows = [{"student": r.student, "notebook": r.notebook, "grade_id": r.grade_id,
+                     "kind": r.kind, "message": r.message, "seed": r.seed or None,
+                     "traceback": json.loads(r.traceback)} for r in result]
+        return sorted(rows, key=lambda r: (r["notebook"], r["grade_id"], r["student"]))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -134,6 +174,7 @@ class ClassData:
     task_scores: dict      # student -> {grade_id: score}
     record: dict           # student -> labkit_grading row (seconds, problems, failures, shard)
     hidden: list           # every hidden-test line of the gradebook's test cells
+    hidden_failures: list = dataclasses.field(default_factory=list)   # instructors only
 
 
 def load(db_url: str, lab: str, course_id: str = "") -> ClassData:
@@ -166,9 +207,10 @@ def load(db_url: str, lab: str, course_id: str = "") -> ClassData:
     record = ClassRecord(db_url)
     try:
         rows = record.rows(lab)
+        hidden_failures = record.hidden_failures(lab)
     finally:
         record.close()
-    return ClassData(lab, tasks, scores, task_scores, rows, hidden)
+    return ClassData(lab, tasks, scores, task_scores, rows, hidden, hidden_failures)
 
 
 def _safe_url(db_url: str) -> str:
@@ -319,14 +361,43 @@ def render(data: ClassData) -> str:
     if unrecorded:
         parts.append(f"<p>In nbgrader's gradebook but not graded by labkit grade (no time, "
                      f"no problems recorded): {e(', '.join(unrecorded))}.</p>")
-    parts.append("<p>Manual review: nbgrader's formgrader works on the same gradebook.</p>"
-                 "</body></html>")
+    parts.append("<p>Manual review: nbgrader's formgrader works on the same gradebook.</p>")
     page = "\n".join(parts)
     leaked = [h for h in data.hidden if h in page or e(h) in page]
     if leaked:
         raise RuntimeError(f"the report would quote {len(leaked)} hidden-test line(s); "
                            "not written")
-    return page
+    # checked above without it: this section alone quotes hidden tests, on purpose
+    return page + "\n" + hidden_failures_section(data) + "\n</body></html>"
+
+
+def hidden_failures_section(data: ClassData) -> str:
+    """Why hidden tests failed, per test cell and per student: the exception, its message, the
+    case seed, the hidden lines it went through. Instructors only: it quotes hidden tests (the
+    rest of the page is checked not to); students' feedback never has it."""
+    e = html.escape
+    parts = [f"<h2 id='hidden-failures'>Hidden failures (instructors only): "
+             f"{len(data.hidden_failures)}</h2>",
+             "<p><strong>Instructors only.</strong> Quotes hidden tests: do not share this page "
+             "or this section with students. A seed replays the case: "
+             "<code>LABKIT_CASE_SEED=SEED</code> in the test cell's environment.</p>"]
+    by_cell: dict = {}
+    for h in data.hidden_failures:
+        by_cell.setdefault((h["notebook"], h["grade_id"]), []).append(h)
+    if not by_cell:
+        parts.append("<p>None recorded.</p>")
+    for (notebook, grade_id), found in sorted(by_cell.items()):
+        parts.append(f"<h3>{e(grade_id)} ({e(notebook)}): {len(found)} submission(s)</h3>"
+                     "<table><tr><th>student</th><th>kind</th><th>seed</th><th>message</th>"
+                     "<th>hidden lines</th></tr>")
+        for h in found:
+            parts.append(f"<tr><td>{e(h['student'])}</td><td>{e(h['kind'])}</td>"
+                         f"<td>{e(str(h['seed'] or '-'))}</td>"
+                         f"<td><pre style='white-space:pre-wrap'>{e(h['message'])}</pre></td>"
+                         f"<td><pre style='white-space:pre-wrap'>"
+                         f"{e(chr(10).join(h['traceback']))}</pre></td></tr>")
+        parts.append("</table>")
+    return "\n".join(parts)
 
 
 def add_arguments(parser) -> None:
@@ -354,5 +425,5 @@ def run(args) -> int:
         f.write(render(data))
     os.chmod(out, 0o600)
     print(f"labkit report {args.lab}: {len(data.scores)} submissions, {len(data.tasks)} test "
-          f"cells -> {out}")
+          f"cells, {len(data.hidden_failures)} hidden failures (instructors only) -> {out}")
     return 0

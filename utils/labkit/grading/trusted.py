@@ -377,23 +377,82 @@ class TrustedRunner:
         shown = ("" if hidden else stdout.getvalue()) + student_out
         if shown:
             outputs.append({"output_type": "stream", "name": "stdout", "text": shown[-20000:]})
+        verdict = {"passed": finished and error is None, "outputs": outputs}
         if error is not None:
-            outputs.append(render_error(error, source, filename, hidden))
-        return {"passed": finished and error is None, "outputs": outputs}
+            outputs.append(render_error(error, source, filename, hidden, label))
+            if failed_in_hidden(error, filename, hidden):   # instructors only (worker.py)
+                verdict["hidden_failure"] = hidden_failure_record(error, source, filename,
+                                                                  hidden, label)
+        return verdict
 
 
-def render_error(error: BaseException, source: str, filename: str, hidden: set[int]) -> dict:
-    """An nbformat error output that never shows a hidden line, nor a hidden failure's message."""
-    lines = source.splitlines()
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == filename]
-    in_hidden = any(f.lineno in hidden for f in frames)
-    student = getattr(error, "student_traceback", "") or ""
+_SEED = re.compile(r"case seed (\d+)")
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line \d+')
+_LABKIT_FILE = re.compile(r"[/\\]labkit[/\\](?:[A-Za-z0-9_]+[/\\])*[A-Za-z0-9_]+\.py$")
+
+
+def without_labkit_frames(text: str) -> str:
+    """A traceback text without the frames of labkit's own files (checkers' rank programs, the
+    grader's plumbing): the student sees their own lines and the message, not labkit's code."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        frame = _FRAME.match(line)
+        if frame:
+            skipping = bool(_LABKIT_FILE.search(frame["path"]))
+            if not skipping:
+                out.append(line)
+            continue
+        if skipping and line.startswith("    "):       # the frame's source line and carets
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out)
+
+
+def _cell_frames(error: BaseException, filename: str) -> list:
+    return [f for f in traceback.extract_tb(error.__traceback__) if f.filename == filename]
+
+
+def _kind_message(error: BaseException) -> tuple[str, str, str]:
+    """(exception class, message, the student's traceback) as the test cell met them."""
     if isinstance(error, StudentCodeError):
-        kind = error.info.get("type", "Error")
-        student = error.info.get("traceback", "")
-    else:
-        kind = type(error).__name__
-    if in_hidden or (not frames and hidden):
+        return (str(error.info.get("type", "Error")), str(error.info.get("message")),
+                str(error.info.get("traceback", "") or ""))
+    return type(error).__name__, str(error), getattr(error, "student_traceback", "") or ""
+
+
+def failed_in_hidden(error: BaseException, filename: str, hidden: set[int]) -> bool:
+    """Whether the failure belongs to the hidden region: a frame of the test cell in it, or no
+    frame of the cell at all in a cell that has one (its origin is unknown: kept secret)."""
+    frames = _cell_frames(error, filename)
+    return any(f.lineno in hidden for f in frames) or (not frames and bool(hidden))
+
+
+def hidden_failure_record(error: BaseException, source: str, filename: str, hidden: set[int],
+                          grade_id: str) -> dict:
+    """What an instructor needs to see why a hidden test failed, and that never reaches the
+    student: the exception, its message, the case seed it names, the hidden lines it went
+    through (results JSON key "instructor_only", labkit_hidden_failures in the gradebook)."""
+    lines = source.splitlines()
+    kind, message, student = _kind_message(error)
+    seed = _SEED.search(message) or _SEED.search(student)
+    return {"grade_id": grade_id, "type": kind, "message": message[:4000],
+            "seed": int(seed[1]) if seed else None,
+            "traceback": [f"line {f.lineno}: {lines[f.lineno - 1].strip()}"
+                          for f in _cell_frames(error, filename)
+                          if 0 < f.lineno <= len(lines)][:20],
+            "student_traceback": student[-4000:]}
+
+
+def render_error(error: BaseException, source: str, filename: str, hidden: set[int],
+                 grade_id: str | None = None) -> dict:
+    """An nbformat error output that never shows a hidden line, nor a hidden failure's message.
+    A visible failure shows the test cell's lines, the message and the student's own frames."""
+    lines = source.splitlines()
+    grade_id = grade_id or (filename[len("<test "):-1] if filename.startswith("<test ") else "")
+    frames = _cell_frames(error, filename)
+    kind, message, student = _kind_message(error)
+    if failed_in_hidden(error, filename, hidden):
         what = ("your code raised " + kind) if isinstance(error, StudentCodeError) else (
             "it raised " + kind)
         return {"output_type": "error", "ename": "HiddenTestFailed",
@@ -402,11 +461,12 @@ def render_error(error: BaseException, source: str, filename: str, hidden: set[i
                               "Check your function on other inputs than the visible ones."]}
     shown = [f"  line {f.lineno}: {lines[f.lineno - 1].strip()}" for f in frames
              if 0 < f.lineno <= len(lines) and f.lineno not in hidden]
-    message = str(error) if not isinstance(error, StudentCodeError) else \
-        str(error.info.get("message"))
+    message = without_labkit_frames(message)
     text = [f"{kind}: {message}"[:20000]]
     if shown:
-        text = ["Test cell, where it failed:"] + shown + text
-    if student:
+        text = [f"Test cell {grade_id}, where it failed:" if grade_id else
+                "Test cell, where it failed:"] + shown + text
+    student = without_labkit_frames(student)
+    if student.strip() and student.strip() not in message:
         text.append("Your code's traceback:\n" + student[-8000:])
     return {"output_type": "error", "ename": kind, "evalue": message[:20000], "traceback": text}

@@ -343,6 +343,20 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
             "setup_errors": setup_errors if "setup_errors" in locals() else []}
 
 
+def instructor_only(result: dict) -> list:
+    """Take every test cell's record of a failed hidden test out of its cell entry: kept under
+    the results' "instructor_only" key, which InjectVerdicts never reads (it copies a cell's
+    outputs only), so it reaches the gradebook's labkit_hidden_failures and `labkit report`,
+    never a notebook or a feedback file."""
+    records = []
+    for nb_id, graded in sorted(result.get("notebooks", {}).items()):
+        for index, entry in sorted(graded.get("cells", {}).items(), key=lambda kv: int(kv[0])):
+            record = entry.pop("hidden_failure", None)
+            if isinstance(record, dict):
+                records.append(dict(record, notebook=nb_id, cell=int(index)))
+    return records
+
+
 def grade_submission(job: dict) -> dict:
     """Grade every notebook of one submission; write and return the result."""
     started = time.monotonic()
@@ -358,6 +372,7 @@ def grade_submission(job: dict) -> dict:
     except Exception as error:  # noqa: BLE001 (reported, the submission gets what it earned)
         result["error"] = f"{type(error).__name__}: {error}"
     result["seconds"] = round(time.monotonic() - started, 2)
+    result["instructor_only"] = {"hidden_failures": instructor_only(result)}
     tmp = job["result_path"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
