@@ -75,6 +75,8 @@ def test_cell_functions_run_by_value_and_errors_show_the_cell_line(kernel):
     assert error is None, error
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
     assert "[21, 42]" in out
+    out, _, error = kernel.run("%%ranks\nprint('magic on', rank)\n")   # no %load_ext labkit here
+    assert error is None and "[rank 1] magic on 1" in out, (error, out)
     _, _, error = kernel.run(
         "def broken():\n"
         "    value = 1\n"

@@ -24,6 +24,8 @@ def __getattr__(name):
     # The launcher imports torch: load it on first use, so `labkit --help` stays quick.
     if name in ("world", "World", "current", "shutdown_all", "max_world_size", "gpu_count"):
         from labkit.runtime import launcher as _launcher
+        if name == "world":
+            _ranks_magic_where_a_world_is()
         return getattr(_launcher, name)
     if name in TOPICS or name in ("basics", "checks", "formulas", "errors", "runtime", "tools",
                                   "grading"):
@@ -50,6 +52,18 @@ def mark(label):
     worker = sys.modules.get("labkit.runtime.worker")
     if worker is not None:
         worker.mark(label)
+
+
+def _ranks_magic_where_a_world_is():
+    """`%%ranks` works in every notebook that makes a world (`labkit.world`), not only where
+    `%load_ext labkit` was run (chapter 0): registered in the running IPython on first use."""
+    import sys
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+    ipython = get_ipython()
+    if ipython is not None and "ranks" not in ipython.magics_manager.magics.get("cell", {}):
+        load_ipython_extension(ipython)
 
 
 def load_ipython_extension(ipython):
