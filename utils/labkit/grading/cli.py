@@ -1,5 +1,11 @@
-"""`labkit grade LAB SUBMISSIONS_DIR [--jobs N] [--out DIR] [--db URL] [--shard I/N]` (the table
-entry in labkit/tools/cli.py)."""
+"""`labkit grade LAB SUBMISSIONS_DIR [--jobs N] [--out DIR] [--db URL] [--shard I/N]
+[--no-isolation]` (the table entry in labkit/tools/cli.py).
+
+Exit status: 0 when every submission was graded (a score of 0 included); 1 when any could not
+be graded at all (no kernel, no result, worker killed: the summary names them); 2 for bad
+arguments or a machine that cannot build the sandbox (without --no-isolation); 128 + the signal
+(143 for SIGTERM, 130 for SIGINT) when the run was stopped, after its workers, sandboxes and
+cgroups are gone."""
 from __future__ import annotations
 
 
@@ -26,11 +32,16 @@ def add_arguments(parser) -> None:
                         help="grade only shard I of N (0-based: 0/4 .. 3/4), the students whose "
                              "id hashes to I mod N; every shard writes into one --db "
                              "postgresql://... gradebook (docs/CLASS_SCALE.md)")
+    parser.add_argument("--no-isolation", action="store_true",
+                        help="grade even where the sandbox cannot be built (not root, no "
+                             "unshare): student code then runs as your own user and can read "
+                             "solutions/ and the gradebook; what is and is not enforced is "
+                             "printed (docs/INSTRUCTORS.md)")
 
 
 def run(args) -> int:
     import sys
-    from labkit.grading.pipeline import grade, parse_shard
+    from labkit.grading.pipeline import GradingStopped, IsolationUnavailable, grade, parse_shard
     if args.shard is not None:
         try:
             parse_shard(args.shard)
@@ -41,7 +52,15 @@ def run(args) -> int:
         except ValueError as error:
             print(f"labkit grade: {error}", file=sys.stderr)
             return 2
-    report = grade(args.lab, args.submissions, jobs=args.jobs, out=args.out, course=args.course,
-                   db_url=args.db, time_limit=args.time_limit, cell_timeout=args.cell_timeout,
-                   limits={"memory_bytes": int(args.memory_gb * (1 << 30))}, shard=args.shard)
-    return 0 if report.results is not None else 1
+    try:
+        report = grade(args.lab, args.submissions, jobs=args.jobs, out=args.out,
+                       course=args.course, db_url=args.db, time_limit=args.time_limit,
+                       cell_timeout=args.cell_timeout,
+                       limits={"memory_bytes": int(args.memory_gb * (1 << 30))}, shard=args.shard,
+                       no_isolation=args.no_isolation)
+    except IsolationUnavailable as error:
+        print(error, file=sys.stderr)
+        return 2
+    except GradingStopped as stop:           # grade() printed what was stopped
+        return 128 + stop.signum
+    return 1 if report.not_graded else 0

@@ -36,8 +36,10 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 _STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]{0,99}$")
@@ -51,6 +53,24 @@ class StudentResult:
     max_score: float
     seconds: float
     problems: list
+    graded: bool = True      # False: never graded (no kernel, no result, worker killed): not a 0
+
+
+class GradingStopped(BaseException):
+    """SIGTERM or SIGINT reached the grading run (a preempted Slurm or Kubernetes shard, Ctrl-C).
+
+    Raised from the signal handler, as torch elastic's agent raises its SignalException, so the
+    run unwinds through its `finally` blocks: workers killed (their kernels and ranks die with
+    them), sandboxes and cgroups removed. A BaseException: no `except Exception` on the way (in
+    nbgrader, say) swallows it. `what` says what was stopped."""
+
+    def __init__(self, signum: int, what: str = ""):
+        self.signum, self.what = signum, what
+        super().__init__(f"stopped by {signal.Signals(signum).name}" + (f": {what}" if what else ""))
+
+
+class IsolationUnavailable(RuntimeError):
+    """This machine cannot build the grading sandbox and the run did not allow grading without."""
 
 
 @dataclasses.dataclass
@@ -66,6 +86,11 @@ class GradeReport:
     @property
     def scores(self) -> dict:
         return {r.student: r.score for r in self.results}
+
+    @property
+    def not_graded(self) -> list:
+        """The results of submissions that could not be graded at all (`labkit grade` exits 1)."""
+        return [r for r in self.results if not r.graded]
 
 
 def find_course_root(start: str | None = None) -> str:
@@ -324,40 +349,157 @@ def _hidden_texts(source_dir: str, notebook_ids: list, release_dir: str | None =
     return secret_texts(source_dir, release_dir, notebook_ids)
 
 
-def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> None:
+def _short_multiprocessing_tempdir() -> None:
+    """The forkserver listens on a unix socket in multiprocessing's temporary folder, under TMPDIR;
+    a unix socket's path holds 107 bytes, so a long TMPDIR (a batch job's) broke every run. That
+    folder is made under /tmp then (it is made once per process and removed at its exit)."""
+    from multiprocessing import process, util
+    if process.current_process()._config.get("tempdir") is not None:
+        return                                     # made already (a forkserver runs, or ran)
+    if len(os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")) < 100:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
+def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> dict:
     """Each job in a fresh process (forked from a server that preloaded torch and nbgrader), at
-    most `parallel` at a time; a worker that outlives its limit is killed (its sandbox with it)."""
+    most `parallel` at a time; a worker that outlives its limit is killed (its sandbox with it).
+    Returns {student: why} for the workers killed. However it ends (GradingStopped, any error),
+    no worker outlives it: each is killed and waited for, and PR_SET_PDEATHSIG takes its kernel,
+    ranks and rank starter with it (the caller then removes sandboxes and cgroups)."""
     from labkit.grading.worker import grade_submission
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "nbformat", "nbgrader.preprocessors",
                                     "labkit.grading.worker", "labkit.checks"])
     _short_multiprocessing_tempdir()
     pending, running, free_slots = list(jobs), {}, list(range(parallel))
-    while pending or running:
-        while pending and free_slots:
-            job = pending.pop(0)
-            job["slot"] = free_slots.pop(0)
-            process = context.Process(target=grade_submission, args=(job,), daemon=False)
-            process.start()
-            running[process] = (job, time.monotonic())
-        for process, (job, started) in list(running.items()):
-            if process.exitcode is None and time.monotonic() - started > time_limit + 120:
+    killed = {}
+    stopping = {signal.SIGTERM, signal.SIGINT}
+    try:
+        while pending or running:
+            while pending and free_slots:
+                job = pending.pop(0)
+                job["slot"] = free_slots.pop(0)
+                process = context.Process(target=grade_submission, args=(job,), daemon=False)
+                # no stop between the fork and `running` knowing the worker (it would be missed)
+                blocked = _block(stopping)
+                try:
+                    process.start()
+                    running[process] = (job, time.monotonic())
+                finally:
+                    _unblock(stopping, blocked)
+            for process, (job, started) in list(running.items()):
+                if process.exitcode is None and time.monotonic() - started > time_limit + 120:
+                    process.kill()
+                    killed[job["student"]] = (f"the grading process was killed after "
+                                              f"{time_limit + 120:.0f} s")
+                    log(f"  {job['student']}: grading process killed after "
+                        f"{time_limit + 120:.0f} s")
+                if process.exitcode is not None:
+                    process.join()
+                    del running[process]
+                    free_slots.append(job["slot"])
+                    free_slots.sort()
+            time.sleep(0.05)
+    except GradingStopped as stop:
+        stop.what = (f"{len(running)} grading process(es) killed "
+                     f"({', '.join(job['student'] for job, _ in running.values()) or '-'}), "
+                     f"{len(pending)} submission(s) not started, "
+                     f"{len(jobs) - len(pending) - len(running)} executed")
+        raise
+    finally:
+        for process in running:
+            if process.exitcode is None:
                 process.kill()
-                log(f"  {job['student']}: grading process killed after {time_limit + 120:.0f} s")
-            if process.exitcode is not None:
-                process.join()
-                del running[process]
-                free_slots.append(job["slot"])
-                free_slots.sort()
-        time.sleep(0.05)
+        for process in running:
+            process.join()
+    return killed
+
+
+def _block(signals: set):
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+
+def _unblock(signals: set, before):
+    if before is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise GradingStopped for as long as this lasts (main thread only; the
+    previous handlers come back after). A second signal while the run is stopping is ignored:
+    the cleanup it would interrupt is what the first one asked for."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def handler(signum, frame):
+        if not received:
+            received.append(signum)
+            raise GradingStopped(signum)
+
+    saved = {number: signal.signal(number, handler) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for number, previous in saved.items():
+            signal.signal(number, previous)
+
+
+NO_ISOLATION_WARNING = """labkit grade: WITHOUT ISOLATION ({why}): every student's kernel runs as
+  {user}, the grader's own user.
+  enforced:     per-cell and per-submission time limits; test cells, hidden tests and expected
+                values stay in the grader's process; rlimits (memory per process, open files,
+                file size); every process a submission leaves (daemons included) is killed
+                when it is graded
+  NOT enforced: student code can read and write whatever {user} can (solutions/, the gradebook,
+                other submissions, this machine's files), reach the network, and signal or trace
+                the grader and other submissions; no cgroup (memory and processes are per
+                process only); traffic is counted in the host's network"""
 
 
 def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | None = None,
           course: str | None = None, db_url: str | None = None, time_limit: float = 300.0,
           cell_timeout: float = 60.0, limits: dict | None = None, log=print,
-          shard: tuple[int, int] | str | None = None) -> GradeReport:
+          shard: tuple[int, int] | str | None = None, no_isolation: bool = False) -> GradeReport:
     """Grade every submission of `lab` in `submissions_dir` (or shard (i, N) of them, see
-    in_shard); see the module docstring."""
+    in_shard); see the module docstring.
+
+    Raises IsolationUnavailable where the sandbox cannot be built (not root, no `unshare`) unless
+    `no_isolation=True` (`--no-isolation`), which grades anyway and logs what that mode does not
+    enforce. SIGTERM and SIGINT stop the run in order (GradingStopped, after every worker, sandbox
+    and cgroup of the run is gone); `report.not_graded` lists the submissions it could not grade."""
+    with stop_on_signals():
+        try:
+            return _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit,
+                          cell_timeout, limits, log, shard, no_isolation)
+        except GradingStopped as stop:
+            log(f"labkit grade {lab}: stopped by {signal.Signals(stop.signum).name}: "
+                f"{stop.what or 'no grading process was running (gradebook build or bookkeeping)'}"
+                "; no process, sandbox or cgroup of this run is left; grades.csv not written")
+            raise
+
+
+def _user_name() -> str:
+    import pwd
+    try:
+        return f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_timeout, limits,
+           log, shard, no_isolation) -> GradeReport:
+    from labkit.grading.sandbox import can_isolate
     started = time.monotonic()
     shard = parse_shard(shard) if isinstance(shard, str) else shard
     shard = shard if shard and shard[1] > 1 else None
@@ -371,6 +513,19 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     source_dir = os.path.join(source_root, lab)
     if not os.path.isdir(source_dir):
         raise FileNotFoundError(f"no lab {lab!r}: {source_dir} does not exist")
+    isolated, why = can_isolate()
+    user = _user_name()
+    if not isolated and not no_isolation:
+        raise IsolationUnavailable(
+            f"labkit grade: this machine cannot build the grading sandbox ({why}): student code "
+            f"would run as {user}, able to read solutions/, the gradebook and every other "
+            "submission. Grade as root on Linux with `unshare` and `useradd` (`labkit doctor` "
+            "checks), or pass --no-isolation (Python: grade(..., no_isolation=True)) to grade "
+            "without it, knowing what that mode does not enforce (docs/INSTRUCTORS.md)")
+    if not isolated:
+        log(NO_ISOLATION_WARNING.format(why=why, user=user))
+    # the workers' sandboxes do as this process decided (a worker never falls back on its own)
+    limits = dict(limits or {}, isolate=isolated, require_isolation=isolated)
     out = os.path.abspath(out or os.path.join(course, "grading", lab))
     os.makedirs(out, exist_ok=True)
     os.chmod(out, 0o700)
@@ -421,10 +576,12 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time"
         + (f" (shard {shard_name})" if shard else ""))
     try:
-        _run_workers(job_list, jobs, time_limit, log)
+        killed = _run_workers(job_list, jobs, time_limit, log)
     finally:
-        shutil.rmtree(sandbox_base, ignore_errors=True)
+        # the workers are gone (_run_workers waited for them); what they left: first every
+        # process in the run's cgroups (dying with them), then their folders
         _remove_cgroups(run_id)
+        shutil.rmtree(sandbox_base, ignore_errors=True)
     executed = time.monotonic()
 
     config.InjectVerdicts.nonces = nonces
@@ -437,19 +594,23 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     for job in job_list:
         student = job["student"]
         problems = list(copy_problems.get(student, []))
+        executed_ok = True           # False: no verdict of it exists (not graded, not a 0)
         try:
             with open(job["result_path"]) as f:
                 worker_result = json.load(f)
         except (OSError, ValueError):
-            worker_result = {"error": "the grading process produced no result", "events": []}
-        if worker_result.get("error"):
+            worker_result = {"error": killed.get(student, "the grading process produced no "
+                                                          "result"), "events": []}
+        if worker_result.get("error"):     # no kernel, an error of the grader's, no result
             problems.append(worker_result["error"])
+            executed_ok = False
         problems += worker_result.get("events", [])
         if not job["notebooks"]:
             problems.append("no notebook found")
         graded = api.autograde(lab, student, force=True, create=True)
         if not graded["success"]:
             problems.append("nbgrader autograde failed: " + _last_line(graded))
+            executed_ok = False
         feedback = api.generate_feedback(lab, student, force=True)
         if not feedback["success"]:
             problems.append("nbgrader generate_feedback failed: " + _last_line(feedback))
@@ -459,7 +620,7 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
                             + ", ".join(sorted({g for _, g in leaks})) + f" ({leaks[0][0]})")
         score, max_score = _score(api, lab, student)
         seconds = float(worker_result.get("seconds", 0.0))
-        results.append(StudentResult(student, score, max_score, seconds, problems))
+        results.append(StudentResult(student, score, max_score, seconds, problems, executed_ok))
         autograded = glob.glob(os.path.join(work, "autograded", student, lab, "*.ipynb"))
         record.save(lab, student, seconds, problems, failure_kinds(autograded), shard_name,
                     hidden_failures=worker_result.get("instructor_only", {}).get("hidden_failures"))
@@ -518,19 +679,22 @@ def summary(report: GradeReport, execute_seconds: float) -> str:
                  f"grades: {report.grades_csv or os.path.join(report.out, 'grades.csv')}, "
                  f"feedback: "
                  f"{os.path.join(report.out, 'feedback')}/")
+    if report.not_graded:
+        lines.append(f"{len(report.not_graded)} submission(s) could not be graded: " + "; ".join(
+            f"{r.student} ({r.problems[0] if r.problems else 'no result'})"
+            for r in report.not_graded) + "; their 0 is not a grade: fix the cause, grade again")
     return "\n".join(lines)
 
 
 def _remove_cgroups(run_id: str):
-    from labkit.grading.sandbox import cgroup_dirs
+    """The run's cgroups, once every process in them is killed and gone (a killed worker's
+    kernel and ranks may still be dying when the worker has been reaped)."""
+    from labkit.grading.sandbox import _empty_and_remove, cgroup_dirs
     for base in cgroup_dirs().values():
         path = os.path.join(base, "labkit-grading", run_id)
         for sub in sorted(glob.glob(os.path.join(path, "*")), reverse=True):
             if os.path.isdir(sub):
-                try:
-                    os.rmdir(sub)
-                except OSError:
-                    pass
+                _empty_and_remove(sub)
         try:
             os.rmdir(path)
         except OSError:

@@ -53,6 +53,7 @@ class Limits:
     tmp_bytes: int = 512 << 20        # size of its private /tmp and /dev/shm
     startup_timeout: float = 60.0
     require_isolation: bool = False
+    isolate: bool = True              # False: the plain kernel even where the sandbox would work
 
 
 @dataclasses.dataclass
@@ -65,6 +66,8 @@ class ExecResult:
 
 def can_isolate() -> tuple[bool, str]:
     """Whether this machine allows the namespace sandbox, and if not, why not."""
+    if os.environ.get("LABKIT_GRADING_NO_SANDBOX"):
+        return False, "LABKIT_GRADING_NO_SANDBOX is set (this machine treated as one without it)"
     if sys.platform != "linux":
         return False, "not Linux"
     if os.geteuid() != 0:
@@ -167,6 +170,8 @@ class Sandbox:
         self.run_dir, self.slot, self.name = run_dir, slot, name
         self.run_id = os.path.basename(os.path.dirname(run_dir.rstrip("/"))) or "run"
         self.isolated, self.why = can_isolate()
+        if not self.limits.isolate:
+            self.isolated, self.why = False, "isolation turned off (labkit grade --no-isolation)"
         if self.limits.require_isolation and not self.isolated:
             raise RuntimeError(f"grading sandbox unavailable: {self.why}")
         self.proc = None
@@ -262,6 +267,7 @@ class Sandbox:
 
             def limit():
                 import resource
+                _die_with_parent()             # a killed worker takes its kernel along
                 for name, value in rlimits.items():
                     resource.setrlimit(getattr(resource, name), (value, value))
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
@@ -394,6 +400,8 @@ class Sandbox:
                     except ProcessLookupError:
                         pass
             self.proc.wait()
+            if not self.isolated:
+                kill_adopted()       # daemons of its own session (setsid) that escaped killpg
         for path in self.cgroups + self.rank_cgroups:
             _empty_and_remove(path)
         self.cgroups, self.rank_cgroups = [], []
@@ -513,6 +521,57 @@ def _owner(pid):
         return os.stat(f"/proc/{pid}").st_uid
     except FileNotFoundError:
         return None
+
+
+def become_subreaper() -> None:
+    """This process adopts every orphan below it (PR_SET_CHILD_SUBREAPER), so that without the
+    namespace sandbox a daemon a submission starts (setsid, double fork) becomes its child when
+    the kernel dies, where kill_adopted() finds it. For a grading worker (a process per
+    submission) only: a process that adopts orphans must reap them."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:                    # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _is_subreaper() -> bool:
+    import ctypes
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)   # PR_GET_CHILD_SUBREAPER
+    return bool(flag.value)
+
+
+def _adopted(pid) -> bool:
+    """A child of this process in another session than its own (the plain kernel starts one; a
+    daemon, another): what a sandbox left, never the grader's own helpers."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[1]) == os.getpid() and int(fields[3]) != os.getsid(0)   # ppid, session
+
+
+def _children_elsewhere() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _adopted(entry)]
+
+
+def kill_adopted(timeout: float = 10.0) -> None:
+    """SIGKILL and reap, until none is left, the children of another session that this process
+    adopted as a subreaper (become_subreaper); each kill hands their own children to us."""
+    if not _is_subreaper():
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = _children_elsewhere()
+        if not pids:
+            return
+        _sigkill(pids, _adopted)      # our children: their pids cannot be reused before we reap
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def user_processes(uid: int) -> list[int]:

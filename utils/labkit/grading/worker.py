@@ -359,6 +359,9 @@ def instructor_only(result: dict) -> list:
 
 def grade_submission(job: dict) -> dict:
     """Grade every notebook of one submission; write and return the result."""
+    from labkit.grading.sandbox import _die_with_parent, become_subreaper, kill_adopted
+    _die_with_parent()      # the grader stopped or killed: this worker (and its kernels) too
+    become_subreaper()      # an unisolated kernel's daemons come back here, to be killed
     started = time.monotonic()
     deadline = started + float(job["time_limit"])
     result = {"student": job["student"], "nonce": job["nonce"], "notebooks": {}, "events": [],
@@ -371,6 +374,7 @@ def grade_submission(job: dict) -> dict:
             result["events"] += [f"{nb_id}: {e}" for e in graded["events"]]
     except Exception as error:  # noqa: BLE001 (reported, the submission gets what it earned)
         result["error"] = f"{type(error).__name__}: {error}"
+    kill_adopted()
     result["seconds"] = round(time.monotonic() - started, 2)
     result["instructor_only"] = {"hidden_failures": instructor_only(result)}
     tmp = job["result_path"] + ".tmp"
