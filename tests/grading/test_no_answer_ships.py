@@ -45,23 +45,14 @@ def walk(copy: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def copy(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("student") / "dist")
-    build(path, REPO)
-    return path
-
-
-def test_no_function_of_the_student_copy_answers_a_graded_task(copy):
+def test_no_function_of_the_student_copy_answers_a_graded_task(tmp_path):
+    copy = str(tmp_path / "dist")
+    build(copy, REPO)
+    with open(os.path.join(copy, "utils", "labkit", "pipeline", "extra.py"), "w") as f:
+        f.write(PLANTED)             # a copy of lab 5's answer: the walk must find it
     out = walk(copy)
-    assert not out["leaks"], "the student copy answers graded tasks:\n  " + "\n  ".join(out["leaks"])
-
-
-def test_the_walk_finds_a_planted_answer(copy, tmp_path):
-    planted = tmp_path / "planted"
-    subprocess.run(["cp", "-a", copy, str(planted)], check=True)
-    with open(planted / "utils" / "labkit" / "pipeline" / "extra.py", "w") as f:
-        f.write(PLANTED)
-    out = walk(str(planted))
-    assert out["leaks"] == ["labkit.pipeline.extra.schedule_for answers lab05_pipeline_parallel's "
-                            "one_f_one_b on its visible case"], out["leaks"]
+    planted = ("labkit.pipeline.extra.schedule_for answers lab05_pipeline_parallel's "
+               "one_f_one_b on its visible case")
+    assert planted in out["leaks"], f"the walk missed a planted answer: {out['leaks']}"
+    leaks = [leak for leak in out["leaks"] if leak != planted]
+    assert not leaks, "the student copy answers graded tasks:\n  " + "\n  ".join(leaks)
