@@ -251,3 +251,12 @@ def test_a_request_split_across_reads_keeps_its_descriptors(box):
         else:
             pytest.fail("a descriptor of the request stayed open in the zygote")
         os.close(r)
+
+
+def test_a_cell_keeps_a_bounded_number_of_outputs():
+    from labkit.grading import sandbox
+    outputs = sandbox._CellOutputs()
+    for i in range(10_000):                   # stdout and stderr in turn: a new output each time
+        sandbox._append_stream(outputs, i % 2 == 1, "x" * 100)
+    assert len(outputs) == sandbox._MAX_CELL_OUTPUTS
+    assert "9801 more outputs of this cell dropped" in outputs[-1]["text"], outputs[-1]
