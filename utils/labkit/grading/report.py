@@ -24,6 +24,7 @@ page before it is written; text that quotes one is withheld. The last section, "
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import html
 import io
@@ -400,26 +401,78 @@ def hidden_failures_section(data: ClassData) -> str:
     return "\n".join(parts)
 
 
+def _has_lab(path: str, lab: str) -> bool:
+    import sqlite3
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT 1 FROM assignment WHERE name = ?", (lab,)).fetchone() \
+                is not None
+    except sqlite3.Error:
+        return False
+
+
+def find_gradebook(lab: str, db: str | None = None, grading: str | None = None,
+                   course: str | None = None, command: str = "report") -> str:
+    """The gradebook URL: `db` as given; else `grading`/gradebook.db (the --out DIR of `labkit
+    grade`); else grading/<LAB>/gradebook.db of the course, or the one sqlite gradebook holding
+    `lab` one or two folders below the course or the current folder. LookupError (one line,
+    saying what to pass) when there is none or more than one."""
+    if db:
+        return db
+    if grading:
+        path = os.path.join(os.path.abspath(grading), "gradebook.db")
+        if not os.path.exists(path):
+            raise LookupError(f"no gradebook at {path}: pass the --out DIR that `labkit grade "
+                              f"{lab}` was given, or --db URL")
+        return "sqlite:///" + path
+    import glob
+    from labkit.grading.pipeline import find_course_root
+    try:
+        root = find_course_root(course)
+    except FileNotFoundError:
+        root = None
+    default = os.path.join(root, "grading", lab, "gradebook.db") if root else None
+    if default and os.path.exists(default):
+        return "sqlite:///" + default
+    candidates = sorted({os.path.abspath(p) for base in filter(None, [root, os.getcwd()])
+                         for pattern in ("gradebook.db", "*/gradebook.db", "*/*/gradebook.db")
+                         for p in glob.glob(os.path.join(base, pattern))})
+    holding = [p for p in candidates if _has_lab(p, lab)]
+    if len(holding) == 1:
+        print(f"labkit {command}: gradebook {holding[0]}")
+        return "sqlite:///" + holding[0]
+    where = (f"{len(holding)} gradebooks hold it ({', '.join(holding)})" if holding else
+             f"none in {default or 'grading/' + lab + '/'} or near it")
+    raise LookupError(f"no gradebook for {lab}: {where}; pass --grading DIR (the --out DIR of "
+                      f"`labkit grade`) or --db URL (postgresql://...), or grade it first")
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("lab", help="lab name, as graded (solutions/<LAB>/)")
     parser.add_argument("--db", default=None, help="gradebook URL (default: the sqlite "
                         "gradebook of `labkit grade`, grading/<LAB>/gradebook.db)")
+    parser.add_argument("--grading", default=None, metavar="DIR", help="the --out DIR that "
+                        "`labkit grade` was given (its gradebook.db; the report goes there too)")
     parser.add_argument("--out", default=None, help="HTML file to write (default: "
-                        "grading/<LAB>/report.html)")
+                        "report.html next to the gradebook, grading/<LAB>/report.html)")
     parser.add_argument("--course", default=None, help="course repository (default: here)")
 
 
 def run(args) -> int:
-    from labkit.grading.pipeline import find_course_root
-    folder = None
-    if not args.db or not args.out:
-        folder = os.path.join(find_course_root(args.course), "grading", args.lab)
-    db_url = args.db or "sqlite:///" + os.path.join(folder, "gradebook.db")
-    if db_url.startswith("sqlite:///") and not os.path.exists(db_url[len("sqlite:///"):]):
-        raise FileNotFoundError(f"no gradebook at {db_url[len('sqlite:///'):]}: grade the lab "
-                                "first, or pass --db")
-    data = load(db_url, args.lab)
-    out = os.path.abspath(args.out or os.path.join(folder, "report.html"))
+    import sys
+    try:
+        db_url = find_gradebook(args.lab, args.db, args.grading, args.course)
+        if args.out:
+            out = os.path.abspath(args.out)
+        elif db_url.startswith("sqlite:///"):
+            out = os.path.join(os.path.dirname(db_url[len("sqlite:///"):]), "report.html")
+        else:
+            from labkit.grading.pipeline import find_course_root
+            out = os.path.join(find_course_root(args.course), "grading", args.lab, "report.html")
+        data = load(db_url, args.lab)
+    except (LookupError, FileNotFoundError) as error:
+        print(f"labkit report: {error}", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         f.write(render(data))
