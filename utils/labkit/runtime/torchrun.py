@@ -89,11 +89,21 @@ def entry(argv):
     _hooks.install(count_wire=backend == "gloo")
     module_name, function_name = options.entry.split(":", 1)
     function = getattr(importlib.import_module(module_name), function_name)
+    rank = dist.get_rank()
     try:
         result = function(*[_literal(a) for a in options.args])
-        print(f"[rank {dist.get_rank()}] result: {result!r}", flush=True)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()   # the peers fail on their own; torchrun sees the error
+        raise
+    print(f"[rank {rank}] result: {result!r}", flush=True)
+    # the end in a defined order: a barrier, destroy_process_group, the store's host (rank 0,
+    # which created the TCPStore from MASTER_PORT) last, then os._exit after flushing; a plain
+    # interpreter exit once aborted rank 0 here under load (issue 25; worker.leave_group)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    _worker.leave_group(rank=rank, world_size=dist.get_world_size(), host_rank=0,
+                        key=f"labkit/left/{run_id}/{restart}")
+    _worker.exit_now(0)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class RankState:
     task_id = None
     plain = False            # results as plain data (torch.save), for a grader
     records = False          # send this task's communication records with every reply
+    store = None             # the TCPStore client (or server, on a store-hosting rank 0)
+    store_host = False       # this rank hosts the store: it leaves last (leave_group)
 
 
 STATE = RankState()
@@ -206,7 +208,9 @@ def _init_process_group(settings):
     store = dist.TCPStore(settings["host"], settings["port"], is_master=host_store,
                           world_size=settings["world_size"] if host_store else None,
                           wait_for_workers=False, timeout=timedelta(seconds=60))
+    STATE.store_host = host_store
     store = dist.PrefixStore(settings["prefix"], store)
+    STATE.store = store
     kwargs = {"device_id": STATE.device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=settings["rank"],
                             world_size=settings["world_size"],
@@ -269,12 +273,76 @@ def _serve(commands):
             send(commands, {"kind": "fault-set"})
         elif kind == "stop":
             try:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                # World.close kills what is left after 3 s: wait 2 s at most for the peers
+                leave_group(STATE.store, STATE.rank, STATE.world_size, seconds=2.0,
+                            host_rank=0 if STATE.store_host else None)
             finally:
                 send(commands, {"kind": "stopped"})
                 _flush_all(MARKER.format("stop"))
                 os._exit(0)
+
+
+LEAVE_SECONDS = 10.0     # how long a rank's exit waits for its peers (barrier, store host)
+
+
+def leave_group(store=None, rank=None, world_size=None, host_rank=None, key="labkit/left",
+                seconds=LEAVE_SECONDS):
+    """A rank's exit from its process group, in a defined order (issue 25's SIGABRT):
+
+    1. a barrier (bounded by `seconds`): no rank tears its sockets down while a peer still
+       talks to it (a gloo pair closed with data in flight resets the peer's connection);
+    2. destroy_process_group: every gloo worker and loop thread is joined here, while the
+       interpreter is whole;
+    3. the rank that hosts the TCPStore (`host_rank`, rank 0 under torchrun) leaves last: the
+       others add 1 to `key` in the store, the host waits (bounded) until all have.
+
+    The caller then ends the process with `os._exit` after flushing (`exit_now`), so no C++
+    object that owns a thread (gloo's, the store's) is destroyed by the interpreter's
+    finalization or by static destructors while its thread still runs: "terminate called
+    without an active exception" is what a joinable std::thread destroyed that way prints.
+    Never raises: leaving is best effort, and the peers' own deadlines bound it."""
+    from datetime import timedelta
+    import time as _time
+    if dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+        try:
+            store = dist.distributed_c10d._get_default_store() if store is None else store
+        except (RuntimeError, ValueError, AttributeError):
+            pass
+        if world_size > 1:
+            try:
+                dist.barrier(async_op=True).wait(timedelta(seconds=seconds))
+            except Exception:  # noqa: BLE001 - a peer gone: leave anyway
+                pass
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    if store is None or host_rank is None or not world_size or world_size < 2:
+        return
+    try:
+        if rank != host_rank:
+            store.add(key, 1)
+            return
+        deadline = _time.monotonic() + seconds
+        while store.add(key, 0) < world_size - 1 and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the store gone: nothing left to wait for
+        pass
+
+
+def exit_now(code=0):
+    """Flush Python's and C's stdio, then end the process without the interpreter's
+    finalization (see `leave_group`)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    if _LIBC_FFLUSH is not None:
+        _LIBC_FFLUSH(None)
+    os._exit(code)
 
 
 def encode(result):
