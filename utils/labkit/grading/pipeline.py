@@ -66,7 +66,8 @@ class GradingStopped(BaseException):
 
     def __init__(self, signum: int, what: str = ""):
         self.signum, self.what = signum, what
-        super().__init__(f"stopped by {signal.Signals(signum).name}" + (f": {what}" if what else ""))
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}" + (f": {what}" if what else ""))
 
 
 class IsolationUnavailable(RuntimeError):

@@ -18,7 +18,8 @@ Isolation, when the grader runs as root on Linux (`isolation_report()` says what
   - closing kills the PID namespace's first process, which takes every process in it (ranks,
     daemons, fork bombs) down with it; then the cgroup is checked empty and removed.
 Without root (or without `unshare`), the kernel runs as the grader's own user in a new session,
-with rlimits only: `Limits.require_isolation=True` refuses that instead.
+with rlimits only: `Limits.require_isolation=True` refuses that instead (`labkit grade` refuses
+unless --no-isolation; its grading process is then the subreaper that kills a kernel's daemons).
 """
 from __future__ import annotations
 
