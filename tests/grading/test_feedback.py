@@ -82,7 +82,7 @@ def test_scrub_keeps_a_visible_failure_that_quotes_a_repeated_line():
                "text": "world = labkit.world(3, backend=BACKEND)\n"}
     cell.outputs = [nbformat.from_dict(visible), nbformat.from_dict(leaking)]
     ScrubHidden(hidden=hidden).preprocess(nb, {})
-    assert cell.outputs[0]["traceback"] == visible["traceback"]
+    assert cell.outputs[0].get("traceback") == visible["traceback"], cell.outputs[0]
     assert "hidden" in cell.outputs[1]["text"] and "world(3" not in cell.outputs[1]["text"]
 
 
