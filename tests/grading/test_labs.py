@@ -94,6 +94,13 @@ __labkit_grading__ = forged''', 0),
     },
 }
 
+from attacks_rank_side import RANK_SIDE_ATTACKS                     # noqa: E402 (after ATTACKS)
+
+for _lab, _attacks in RANK_SIDE_ATTACKS.items():                     # one answer cell or several
+    ATTACKS.setdefault(_lab, {}).update(
+        {student: (answers, None, scratch, score)
+         for student, (answers, scratch, score) in _attacks.items()})
+
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]
 
@@ -154,7 +161,8 @@ def test_solution_full_marks_blank_zero(lab, tmp_path):
         grade_id, answer = VISIBLE_ONLY[lab]
         submissions["visible-only"] = as_submitted(source, {grade_id: answer})
     for student, (grade_id, answer, scratch, _) in ATTACKS.get(lab, {}).items():
-        submissions[student] = as_submitted(source, {grade_id: answer}, scratch)
+        answers = grade_id if isinstance(grade_id, dict) else {grade_id: answer}
+        submissions[student] = as_submitted(source, answers, scratch)
     scores = grade_with_cli(lab, submissions, tmp_path)
     attacks = {s: (scores[s][0], want, scores[s][2])
                for s, (_, _, _, want) in ATTACKS.get(lab, {}).items()}
