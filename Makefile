@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	fi
 	@echo "setup 2/3: pip installs the course and its dependencies into $(VENV) (torch, jupyterlab, nbgrader, ...): 3-8 min the first time; one line per package as pip collects it"
 	@start=$$(date +%s); \
-	  $(BIN)/python -m pip install --progress-bar off -e ".[test]" 2>&1 \
+	  $(BIN)/python -m pip install --progress-bar off -e ".[test,instructor]" 2>&1 \
 	    | grep --line-buffered -E '^(Collecting|Successfully installed|ERROR|error)' \
 	    | sed -u -e 's/^Successfully installed .*/  pip: installed/' -e 's/^Collecting \([^ ;]*\).*/  pip: \1/'; \
 	  status=$${PIPESTATUS[0]}; \

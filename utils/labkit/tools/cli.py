@@ -34,6 +34,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("labkit.grading.roster:ExportCommand", "after grading: one feedback archive per "
                "student and a grades CSV (id, score, max, late) for the platform"),
     "doctor": ("labkit.tools.doctor", "check this machine: Python, torch, gloo/NCCL, memory, grading sandbox"),
+    "student-setup": ("labkit.tools.dist:StudentSetup", "the student copy's install step: "
+                      "nbgrader's instructor panels off in this environment's JupyterLab"),
 }
 
 
