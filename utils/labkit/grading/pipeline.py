@@ -682,9 +682,15 @@ def summary(report: GradeReport, execute_seconds: float) -> str:
                  f"{os.path.join(report.out, 'feedback')}/")
     if report.not_graded:
         lines.append(f"{len(report.not_graded)} submission(s) could not be graded: " + "; ".join(
-            f"{r.student} ({r.problems[0] if r.problems else 'no result'})"
+            f"{r.student} ({_shorten(r.problems[0]) if r.problems else '-'})"
             for r in report.not_graded) + "; their 0 is not a grade: fix the cause, grade again")
     return "\n".join(lines)
+
+
+def _shorten(text: str, head: int = 120, tail: int = 200) -> str:
+    """One line: the start (what failed) and the end (a kernel log's last error) of `text`."""
+    text = " ".join(text.split())
+    return text if len(text) <= head + tail + 5 else f"{text[:head]} ... {text[-tail:]}"
 
 
 def _remove_cgroups(run_id: str):
