@@ -23,8 +23,9 @@ PostgreSQL driver of class-scale gradebooks) and without the test configuration.
 (its Validate button runs a lab's visible tests), but its instructor panels (Formgrader, Create
 Assignment, the course and assignment lists of nbgrader's exchange, the Nbgrader menu) are
 turned off by the README's install step, `labkit student-setup`: `jupyter labextension disable`
-and `jupyter server extension disable` in that environment (sys-prefix level), which `jupyter
-labextension list` then reports.
+and `lock` at that environment's sys-prefix level, and a jupyter_server_config.d file there
+that turns the matching server extensions off; `jupyter labextension list` and `jupyter server
+extension list` then report them disabled.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ INSTRUCTOR_LAB_PLUGINS = ["@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:cre
 INSTRUCTOR_SERVER_EXTENSIONS = ["nbgrader.server_extensions.formgrader",
                                 "nbgrader.server_extensions.course_list",
                                 "nbgrader.server_extensions.assignment_list"]
+SERVER_CONFIG = "zz-labkit-student-copy.json"      # sorts after nbgrader.json
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 ENVIRONMENT = """# conda env create -f environment.yml && conda activate labkit && jupyter lab
 # The packages come from pyproject.toml (the same list as `pip install -e .`, without the
@@ -185,11 +187,20 @@ class StudentSetup:
 
     @staticmethod
     def run(args) -> int:
+        # server extensions: a config file of our own after nbgrader's in the same .d folder
+        # (later files win); `jupyter server extension disable` validates nbgrader's modules,
+        # fails (they have no _jupyter_server_extension_points) and writes nothing
+        folder = os.path.join(sys.prefix, "etc", "jupyter", "jupyter_server_config.d")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, SERVER_CONFIG), "w") as f:
+            json.dump({"ServerApp": {"jpserver_extensions": {
+                name: False for name in INSTRUCTOR_SERVER_EXTENSIONS}}}, f, indent=2)
         jupyter = [sys.executable, "-m", "jupyter"]
+        # lab plugins: disabled, and locked (JupyterLab >= 4.1 lets a user re-enable otherwise)
         for command in (["labextension", "disable", "--level=sys_prefix",
                          *INSTRUCTOR_LAB_PLUGINS],
-                        ["server", "extension", "disable", "--sys-prefix",
-                         *INSTRUCTOR_SERVER_EXTENSIONS]):
+                        ["labextension", "lock", "--level=sys_prefix",
+                         *INSTRUCTOR_LAB_PLUGINS]):
             done = subprocess.run(jupyter + command, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"labkit student-setup: `jupyter {' '.join(command[:3])} ...` failed "
