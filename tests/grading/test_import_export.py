@@ -102,6 +102,18 @@ def test_import_matches_every_platform_name_and_reports_the_rest(course, tmp_pat
     assert dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f %Z").replace(
         tzinfo=dt.timezone.utc).timestamp() == _local("2025-03-06T09:30")
 
+    # the platform's .zip as downloaded: the same placement, times from the zip's entries
+    archive = shutil.make_archive(str(tmp_path / "export"), "zip", export)
+    done = _labkit("import", LAB, archive, "--roster", roster, "--out", tmp_path / "fromzip",
+                   "--deadline", DEADLINE, "--course", course)
+    zipped = {r["student_id"]: r for r in _rows(tmp_path / "fromzip" / "manifest.csv")}
+    assert done.returncode == 1 and sorted(zipped) == sorted(manifest), done.stdout
+    assert {s: r["late"] for s, r in zipped.items()} == {s: r["late"]
+                                                         for s, r in manifest.items()}
+    assert zipped["s002"]["timestamp_from"] == "zip"
+    assert (tmp_path / "fromzip" / "s005" / f"{LAB}.ipynb").read_bytes() == \
+        (subs / "s005" / f"{LAB}.ipynb").read_bytes()
+
     # nbgrader's own layout, and errors that say what to do instead of a traceback
     done = _labkit("import", LAB, export, "--roster", roster, "--out", tmp_path / "nbg",
                    "--layout", "nbgrader", "--course", course)
