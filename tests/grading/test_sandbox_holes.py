@@ -124,6 +124,23 @@ def test_seccomp_program_denies_foreign_arch_first():
         _rank_init.seccomp_program("sparc")
 
 
+def test_the_graders_references_are_not_in_the_sandbox(world):
+    """labkit.grading.references computes graded answers (lab 6's search, lab 8's simulator...):
+    the student copy has no such package, and student code under labkit grade must not find it
+    either, on a rank or (the same root) in the kernel."""
+    from labkit.grading.sandbox import hidden_paths
+    [references] = hidden_paths()
+    assert os.path.isfile(os.path.join(references, "mesh.py"))          # here, on the host
+    source = ("import os, importlib\n"
+              f"listing = os.listdir({references!r})\n"
+              "try:\n    importlib.import_module('labkit.grading.references.mesh')\n"
+              "    imported = True\n"
+              "except ImportError:\n    imported = False\n"
+              "(listing, imported)")
+    for rank, (listing, imported) in enumerate(world.run_source(source)):
+        assert listing == [] and not imported, (rank, listing, imported)
+
+
 def test_a_rank_cannot_see_another_ranks_processes(world):
     pids = world.run_source("import os\nos.getpid()")
     source = (f"import os\nvisible = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"

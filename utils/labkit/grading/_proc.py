@@ -8,7 +8,7 @@ import os
 import signal
 
 PR_SET_PDEATHSIG = 1
-MS_NOSUID, MS_NODEV = 2, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -48,6 +48,13 @@ def fresh_tmpfs(target, size_bytes):
     /var/tmp or /dev/shm that nothing outside this mount namespace sees."""
     os.makedirs(target, exist_ok=True)
     mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(size_bytes)}")
+
+
+def mask(target):
+    """An empty, read-only tmpfs over the folder `target`: what it holds is not there for anything
+    in this mount namespace (the grader's references inside the sandbox)."""
+    if os.path.isdir(target):
+        mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=555,size=4k")
 
 
 def join_cgroups(procs_files):

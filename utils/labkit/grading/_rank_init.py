@@ -116,6 +116,9 @@ def private_dirs(spec):
             os.makedirs(root + path, mode=0o755, exist_ok=True)
             _mount(path, root + path, None, MS_BIND | MS_REC)
             _mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_RDONLY)
+    for path in spec.get("hidden", []):  # masked again where a re-bind above brought it back
+        if any(path.startswith(d + "/") for d in PRIVATE_DIRS):
+            _proc.mask(root + path)
 
 
 def become_rank(spec, uid, gid, seccomp=True):

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from labkit.grading.sandbox import read_only_paths
+from labkit.grading.sandbox import hidden_paths, read_only_paths
 from labkit.runtime.launcher import World
 
 _RANK_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_init.py")
@@ -173,6 +173,7 @@ class Zygote:
         self.sock, child = socket.socketpair()
         spec = {"sandbox_pid": box.namespace_pid(), "root": box.root,
                 "tmp_bytes": box.limits.tmp_bytes, "read_only": read_only_paths(),
+                "hidden": hidden_paths(),
                 "rlimits": {"RLIMIT_NOFILE": box.limits.open_files, "RLIMIT_CORE": 0,
                             "RLIMIT_FSIZE": box.limits.file_bytes,
                             **({} if box.rank_cgroups else {"RLIMIT_AS": RANK_MEMORY_BYTES})},
@@ -358,7 +359,7 @@ class SandboxWorld(World):
             uid = self._uids[rank]
             spec = {"sandbox_pid": self.box.namespace_pid(), "root": self.box.root,
                     "uid": uid, "gid": uid, "tmp_bytes": self.box.limits.tmp_bytes,
-                    "read_only": read_only_paths(),
+                    "read_only": read_only_paths(), "hidden": hidden_paths(),
                     "rlimits": {"RLIMIT_NOFILE": self.box.limits.open_files, "RLIMIT_CORE": 0,
                                 "RLIMIT_FSIZE": self.box.limits.file_bytes,
                                 **({} if self.box.rank_cgroups else

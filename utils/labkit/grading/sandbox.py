@@ -147,6 +147,15 @@ def read_only_paths() -> list[str]:
     return sorted(p for p in paths if os.path.isdir(p))
 
 
+def hidden_paths() -> list[str]:
+    """Folders of the read-only install that student code must not see: the grader's references,
+    which compute graded answers (labkit.grading.references; `labkit dist` leaves them out of the
+    student copy, and the sandbox masks them with an empty folder)."""
+    import labkit
+    return [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "grading",
+                         "references")]
+
+
 def _die_with_parent():
     """In the child before exec: SIGKILL it when the grading process dies (so a killed worker
     never leaves a sandbox behind: unshare --kill-child then takes the whole namespace)."""
@@ -252,7 +261,8 @@ class Sandbox:
             root = self.root = os.path.join(self.private, "root")
             os.makedirs(root, mode=0o700)
             spec = {"root": root, "workdir": self.workdir, "uid": self.uid, "gid": self.gid,
-                    "read_only": read_only_paths(), "tmp_bytes": self.limits.tmp_bytes,
+                    "read_only": read_only_paths(), "hidden": hidden_paths(),
+                    "tmp_bytes": self.limits.tmp_bytes,
                     "rlimits": rlimits, "env": env, "argv": argv, "loopback": True,
                     "cgroups": [os.path.join(p, "cgroup.procs") for p in self.cgroups]}
             spec_path = os.path.join(self.private, "spec.json")
