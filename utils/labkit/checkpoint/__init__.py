@@ -12,10 +12,10 @@
 | `resume` | capture / restore of the bench's full state (replicated trainer) | 4; ch. 9 |
 | `zero` | the ZeRO-1 layout: flat buffer, per-rank ranges, global shapes and offsets | 5 |
 | `interval` | Young's and Daly's intervals, the waste model, a Monte-Carlo failure simulator | 7 |
-| `checks` | lab 8's checkers | lab 8 |
+| `checks`, `checks_resume`, `checks_async` | lab 8's checkers (tasks 1, 2, 3-4) | lab 8 |
 
-Lab 8 asks for commit/verify/load-latest (per-rank folders) and for a sharded resume: while its
-checkers run a student's code, `store` and `resume` refuse to run (see `_guard.py`).
+Lab 8 asks for a retention policy on top of `store` (task 1) and for a sharded resume (task 2;
+`resume` handles the replicated trainer only and refuses a ZeRO-1 one).
 """
 from labkit.checkpoint.layout import (CheckpointError, check_name, manifest_path,  # noqa: F401
                                       published_ids, sha256_bytes, sha256_file, shard_folder,

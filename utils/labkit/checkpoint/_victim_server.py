@@ -65,6 +65,7 @@ def _child(job: _Job, events_w: int, release_r: int, others: list) -> None:
         crash.send_frame(events_w, ("result", "ok", value, None))
     except BaseException as error:  # noqa: BLE001 (reported as data)
         info = {"type": type(error).__name__, "message": str(error)[:2000],
+                "classes": [c.__name__ for c in type(error).__mro__],
                 "traceback": traceback.format_exc()[-4000:]}
         try:
             crash.send_frame(events_w, ("result", "error", None, info))

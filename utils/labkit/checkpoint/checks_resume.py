@@ -8,14 +8,21 @@ The ranks train, capture, and hand their parts back as plain data; fresh trainer
 all the parts and go on. Right means: bit for bit the same as a run that never stopped (same
 world size), or the same global state (another world size), compared here with the fingerprints
 of `bench.fingerprint`, which the capture and restore code never sees.
+
+Before the capture, the checker's run takes a detour that a replay of the training from the start
+cannot know (`detour`: the three RNGs reseeded and the weights nudged, from the case's seed, as a
+rollback after a loss spike would leave them): a restore that replays `steps` steps instead of
+restoring the state is then told apart at every world size.
 """
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 from labkit import checks as base
 from labkit.checkpoint import bench
-from labkit.checkpoint._guard import switched_off
 from labkit.checkpoint.checks import call
 from labkit.checkpoint.zero import FlatLayout
 
@@ -29,17 +36,31 @@ PIECES = {"weights": "the weights", "optimizer": "the ZeRO-1 moments or their st
           "cursor": "the data cursor (epoch, position, order)", "steps": "the step count"}
 
 
+def detour(trainer, seed: int) -> None:
+    """What a replay cannot reproduce: the RNGs reseeded and every weight nudged (the same on
+    every rank: the seed is the case's)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-3)
+    torch.manual_seed(seed + 1)
+    random.seed(seed + 2)
+    np.random.seed((seed + 3) % 2 ** 32)
+
+
 def _straight(share):
     trainer = bench.Trainer(share["config"])
-    trainer.train(share["steps"])
+    trainer.train(share["k"])
+    detour(trainer, share["detour"])
+    trainer.train(share["steps"] - share["k"])
     return bench.fingerprint(trainer)
 
 
 def _train_and_capture(share, capture):
     trainer = bench.Trainer(share["config"])
     trainer.train(share["steps"])
-    with switched_off(TASK2):
-        part = capture(trainer)
+    detour(trainer, share["detour"])
+    part = capture(trainer)
     return {"part": part, "fingerprint": bench.fingerprint(trainer)}
 
 
@@ -47,8 +68,7 @@ def _restore_and_go_on(share, restore):
     trainer = bench.Trainer(share["config"])
     before = bench.fingerprint(trainer)
     try:
-        with switched_off(TASK2):
-            restore(trainer, share["parts"])
+        restore(trainer, share["parts"])
     except BaseException as error:  # noqa: BLE001 (an observation)
         return {"error": [type(error).__name__, str(error)[:300],
                           [c.__name__ for c in type(error).__mro__]],
@@ -68,10 +88,12 @@ def check_zero1_resume(world, capture, restore, steps=6, k=3, timeout=120, case=
     tokenizer is refused with ValueError and changes nothing."""
     case = case or base.Case("lab 8, task 2: ZeRO-1 resume")
     config = dict(ZERO1, seed=case.integer(0, 10_000))
-    straight = call(world, _straight, ({"config": config, "steps": steps},), timeout=timeout)
+    seed = case.integer(0, 10_000)
+    straight = call(world, _straight, ({"config": config, "steps": steps, "k": k,
+                                        "detour": seed},), timeout=timeout)
     base.one_result_per_rank(straight, world.size, case)
-    captured = call(world, _train_and_capture, ({"config": config, "steps": k}, capture),
-                    timeout=timeout)
+    captured = call(world, _train_and_capture, ({"config": config, "steps": k,
+                                                 "detour": seed}, capture), timeout=timeout)
     base.one_result_per_rank(captured, world.size, case)
     parts = [c["part"] for c in captured]
     resumed = call(world, _restore_and_go_on, ({"config": config, "parts": parts,
@@ -84,7 +106,9 @@ def check_zero1_resume(world, capture, restore, steps=6, k=3, timeout=120, case=
         if missing:
             raise AssertionError(f"rank {rank}: right after restore_zero1, the trainer differs "
                                  f"from the captured one in {_explain(missing)} [{case}]: "
-                                 "capture and restore every piece of state")
+                                 "capture and restore every piece of state (the run was not "
+                                 "the plain one from its seed: replaying its steps does not "
+                                 "bring it back)")
         late = bench.differences(straight[rank], out["end"])
         if late:
             raise AssertionError(f"rank {rank}: {k} steps + resume + {steps - k} steps differ "
@@ -119,7 +143,8 @@ def check_zero1_reshard(make_world, capture, restore, saved_on=4, loaded_on=(2, 
     case = case or base.Case("lab 8, task 2: ZeRO-1 at another world size")
     config = dict(ZERO1, seed=case.integer(0, 10_000))
     world = make_world(saved_on)
-    captured = call(world, _train_and_capture, ({"config": config, "steps": k}, capture),
+    captured = call(world, _train_and_capture, ({"config": config, "steps": k,
+                                                 "detour": case.integer(0, 10_000)}, capture),
                     timeout=timeout)
     base.one_result_per_rank(captured, saved_on, case)
     parts = [c["part"] for c in captured]
