@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 	    | grep --line-buffered -E '^(Collecting|Successfully installed|ERROR|error)' \
 	    | sed -u -e 's/^Successfully installed .*/  pip: installed/' -e 's/^Collecting \([^ ;]*\).*/  pip: \1/'; \
 	  status=$${PIPESTATUS[0]}; \
-	  if [ $$status -ne 0 ]; then echo "setup: pip install failed (exit $$status); run it again to see pip's full output: $(BIN)/python -m pip install -e '.[test]'" >&2; exit $$status; fi; \
+	  if [ $$status -ne 0 ]; then echo "setup: pip install failed (exit $$status); run it again to see pip's full output: $(BIN)/python -m pip install -e '.[test,instructor]'" >&2; exit $$status; fi; \
 	  echo "setup 2/3: done in $$(( $$(date +%s) - start )) s"
 	@echo "setup 3/3: registering the Jupyter kernel 'labkit'"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
