@@ -68,7 +68,8 @@ def test_world_size_errors_print_every_factor_and_a_fix():
         mesh.check_world_size(8, dp=2, tp=2, pp=3)
     with pytest.raises(ValueError, match=r"use dp = 3"):
         mesh.check_world_size(12, dp=2, tp=2, pp=2)
-    with pytest.raises(ValueError, match=r"x ep \(6\) = 24: .*change tp, pp or ep"):
+    with pytest.raises(ValueError, match=r"ep \(6\) must divide dp \(2\).*carved out of the "
+                                         r"data-parallel ranks.*\[1, 2\]"):
         mesh.check_world_size(8, dp=2, tp=2, pp=1, ep=2 * 3)
     with pytest.raises(ValueError, match="positive int"):
         mesh.world_size(dp=0)
@@ -149,14 +150,15 @@ def test_task1_checkers_reject_a_mesh_whose_tp_groups_cross_nodes():
 def test_cost_model_terms_are_the_earlier_chapters_formulas():
     model = figures.megatron_rows()[6]["model"]
     config = {"dp": 24, "tp": 8, "pp": 8, "zero_stage": 1, "microbatches": 96}
-    sent = cost.axis_bytes(model, config, 2304, recompute="none")
+    sent = cost.axis_bytes(model, config, 2304, recompute="none", pp_scatter_gather=False,
+                           grad_bytes=2)
     layer = tpk.tp_layer_bytes(1, model.seq, model.hidden, 8, itemsize=2)      # b = 1
     assert sent["tp"] == pytest.approx(layer * (model.layers // 8) * 96)
     assert sent["pp"] == 2 * 96 * model.seq * model.hidden * 2
     psi = ledger.transformer_parameters(model.layers, model.hidden, model.vocab) / 64
     assert sent["dp"] == pytest.approx(ledger.wire_bytes_per_rank(psi, 24, 1, 2))
     for stage, units in ((2, 1 + 96), (3, 3 * 96)):
-        got = cost.axis_bytes(model, dict(config, zero_stage=stage), 2304)["dp"]
+        got = cost.axis_bytes(model, dict(config, zero_stage=stage), 2304, grad_bytes=2)["dp"]
         assert got == pytest.approx(units / 2 * sent["dp"])
     # Narayanan et al. eq. 3 with recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)
     flops = cost.flops_per_step(model, 2304)
@@ -170,6 +172,86 @@ def test_cost_model_terms_are_the_earlier_chapters_formulas():
     with pytest.raises(ValueError, match=r"GPUs \(1536\) != dp \(24\) x tp \(8\) x pp \(4\).*"
                                          r"tp \(8\) does not divide the heads"):
         cost.predict(dataclasses.replace(model, heads=12), cluster, dict(config, pp=4), 2304)
+
+
+def test_world_size_takes_keywords_and_folds_ep_into_dp():
+    assert mesh.check_world_size(8, dp=4, tp=2, pp=1, ep=2) == 8          # ep inside dp: 4 x 2
+    assert mesh.world_size(dp=4, pp=2, tp=2, ep=4) == 16
+    with pytest.raises(TypeError):
+        mesh.world_size(2, 2, 2)                # positional (dp, tp, pp) vs (dp, pp, tp): refused
+    with pytest.raises(ValueError, match=r"\(ep \(2\) is folded into dp, not multiplied\)"):
+        mesh.check_world_size(16, dp=2, tp=2, pp=2, ep=2)
+    groups = mesh.expert_groups(dp=4, pp=1, tp=2, ep=2)
+    # dp groups [0, 2, 4, 6] and [1, 3, 5, 7]: ep blocks of 2 dp-neighbours, edp across blocks
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    dp_of = {r: tuple(g) for g in mesh.axis_groups(4, 1, 2)["dp"] for r in g}
+    for axis in ("ep", "edp"):
+        assert sorted(r for g in groups[axis] for r in g) == list(range(8))
+        assert all(set(g) <= set(dp_of[g[0]]) for g in groups[axis])      # inside one dp group
+
+
+def test_zero3_in_a_pipeline_reshard_once_per_step_costs_zero1s_bytes_and_memory():
+    model = figures.megatron_rows()[6]["model"]
+    cluster = figures.DGX_A100.with_nodes(192)
+    config = {"dp": 24, "tp": 8, "pp": 8, "zero_stage": 1, "microbatches": 96}
+    zero1 = cost.predict(model, cluster, config, 2304)
+    psi = model.parameters / 64
+    w, g, m = 2, 4, 96
+    assert zero1["bytes"]["dp"] == pytest.approx((g + w) * 23 / 24 * psi)
+    for stage in (2, 3):
+        every = cost.predict(model, cluster, dict(config, zero_stage=stage), 2304)
+        once = cost.predict(model, cluster, dict(config, zero_stage=stage), 2304, reshard="step")
+        due = (w + m * g) if stage == 2 else (2 * m * w + m * g)
+        assert every["bytes"]["dp"] == pytest.approx(due * 23 / 24 * psi)
+        assert once["bytes"]["dp"] == pytest.approx(zero1["bytes"]["dp"])
+        assert once["memory"] == zero1["memory"] > every["memory"]           # the price
+    with pytest.raises(ValueError, match="reshard must be one of"):
+        cost.predict(model, cluster, config, 2304, reshard="never")
+
+
+def test_pipeline_scatter_gather_sends_one_tp_th_per_rank():
+    model = figures.megatron_rows()[6]["model"]
+    config = {"dp": 24, "tp": 8, "pp": 8, "zero_stage": 1, "microbatches": 96}
+    activation = model.seq * model.hidden * 2                               # b = 1, BF16
+    whole = cost.axis_bytes(model, config, 2304, pp_scatter_gather=False)
+    split = cost.axis_bytes(model, config, 2304)
+    assert whole["pp"] == 2 * 96 * activation
+    assert split["pp"] == whole["pp"] / 8
+    assert split["tp"] - whole["tp"] == pytest.approx(2 * 96 * 7 / 8 * activation)  # all-gathers
+    assert split["calls"]["tp"] - whole["calls"]["tp"] == 2 * 96
+    one = cost.axis_bytes(model, dict(config, tp=1, dp=192), 2304)
+    assert one["pp"] == cost.axis_bytes(model, dict(config, tp=1, dp=192), 2304,
+                                        pp_scatter_gather=False)["pp"]
+
+
+def test_gradients_cross_the_dp_wire_in_fp32_by_default():
+    psi, dp = 1e9, 8
+    assert cost.dp_wire_bytes(psi, dp, 0) == pytest.approx(2 * 4 * 7 / 8 * psi)
+    assert cost.dp_wire_bytes(psi, dp, 1) == pytest.approx((4 + 2) * 7 / 8 * psi)
+    for stage in range(4):
+        assert cost.dp_wire_bytes(psi, dp, stage, 4, grad_bytes=2) == pytest.approx(
+            ledger.wire_bytes_per_rank(psi, dp, stage, 2, microbatches=4))
+
+
+def test_explorer_fits_a_laptop_screen(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from labkit.mesh import widget
+    monkeypatch.setenv("LABKIT_OUTPUT", "auto")
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: shown.extend(a))
+    import matplotlib
+    matplotlib.use("Agg")
+    controls = widget.explorer()
+    assert "reshard" in controls
+    for name, control in controls.items():
+        assert control.style.description_width == "initial", name     # labels never cut
+        assert int(control.layout.width.rstrip("px")) >= 250, name       # values readable
+    (box,) = shown
+    grid = box.children[0]
+    columns = [int(c.rstrip("px")) for c in grid.layout.grid_template_columns[7:-1].split(",")[1:]]
+    assert 2 * columns[0] + 12 <= 950            # two columns within a 1280 px screen's notebook
 
 
 def test_reference_choice_is_the_brute_force_best_and_fits():

@@ -108,6 +108,8 @@ def independent(drill_id, p):
         return psi * (2 / (dp if st >= 3 else 1) + 2 / (dp if st >= 2 else 1)
                       + 12 / (dp if st >= 1 else 1)) / 1e9
     if drill_id == "zero3-pipeline":
+        if p.get("reshard") == "step":                          # gathered once, scattered once
+            return (1 + 1) / (1 + 1)
         stage3 = sum(3 for _ in range(p["m"]))                  # gather F, gather B, scatter B
         stage1 = 1 + 1                                          # scatter grads, gather weights
         return stage3 / stage1

@@ -96,26 +96,28 @@ TEXTS = [
 
     # ---- the ten self-check questions (seed 004, section 6.2) --------------------------------
     dict(id="self-check-1", kind="self-check", number=1, topic="memory",
-         links=((3, "section 6"), (6, "section 2, ZeRO-1 with pipelines")),
-         prompt="Why does ZeRO stage 3 multiply the communication of a job that also uses "
-                "pipeline parallelism, and why is ZeRO-1 the usual partner of TP + PP?",
-         answer="Stage 3 keeps only a shard of each block's weights and all-gathers the block "
-                "before every use, freeing it after. A pipeline pushes m microbatches through "
-                "each stage per step, each with a forward and a backward: 2m gathers per block "
-                "instead of one, plus a reduce-scatter of the gradients per microbatch: about "
-                "3 m Psi bytes against 2 Psi for stage 1 ({ratio} times more at m = 32), over "
-                "the data-parallel links that usually cross nodes. The gain is small, since the "
-                "pipeline already divided the weights by pp.\n"
-                "Stage 1 shards only the optimizer states, which are touched once per step "
-                "after all microbatches: the pipeline's inner loop never waits for them. "
-                "DeepSpeed's pipeline engine refuses ZeRO-2 and 3; Megatron-LM's distributed "
-                "optimizer is ZeRO-1 (chapter 3 cites both).",
+         links=((3, "section 6"), (6, "section 2, ZeRO-3 inside a pipeline")),
+         prompt="What does ZeRO stage 3 cost in a job that also uses pipeline parallelism, "
+                "and how do torch's pipelining and torchtitan run FSDP (ZeRO-3) with PP?",
+         answer="It depends on when the stage reshards. Resharding at every microbatch (the "
+                "textbook ZeRO-3): a pipeline pushes m microbatches through each stage per "
+                "step, so each block is all-gathered in every forward and every backward and "
+                "its gradients reduce-scattered every backward: about 3 m Psi bytes against "
+                "2 Psi for stage 1 ({ratio} times more at m = 32), over the data-parallel links "
+                "that usually cross nodes; the rank holds only 1/dp of its weights.\n"
+                "Resharding once per step: torch's pipelining stage turns FSDP's "
+                "reshard-after-backward and gradient sync off for every microbatch but the last "
+                "(stage.py), and torchtitan does not reshard after forward when PP is on. Then "
+                "the weights cost one all-gather and one reduce-scatter per step, what ZeRO-1 "
+                "sends, and the price is memory: the whole gathered weights and unsharded "
+                "gradients are held through the step, so the peak is ZeRO-1's. It is a "
+                "trade-off, not a ban: bytes per microbatch against memory held.",
          key_points=(("stage 3 gathers weights before every use", ("gather",)),
-                     ("once per microbatch, forward and backward", ("microbatch", "per micro")),
-                     ("3m Psi against 2 Psi", ("3m", "3 m", "times m")),
-                     ("pipeline already split the weights: little memory gained",
-                      ("already", "little", "small")),
-                     ("stage 1: optimizer step once per step", ("optimizer", "once")))),
+                     ("per microbatch: 3m Psi against 2 Psi", ("3m", "3 m", "times m")),
+                     ("or keep them gathered: once per step", ("once per step", "per step",
+                                                               "last microbatch")),
+                     ("then ZeRO-1's bytes", ("zero-1", "stage 1", "same bytes")),
+                     ("the price: holding the gathered weights", ("memory", "hold", "peak")))),
     dict(id="self-check-2", kind="self-check", number=2, topic="moe",
          links=((7, "introduction and section 5"),),
          prompt="In what sense is a mixture-of-experts layer's computation sparse while its "

@@ -154,27 +154,51 @@ def _zero_states(p, formula):
 
 
 @register("zero3-pipeline", "memory", "ZeRO-3 inside a pipeline: the bytes it multiplies", 3,
-          "section 6", ["labkit.memory.wire_bytes_per_rank"],
-          source="seed 004, self-check question 1")
-@draws(lambda rng: {"m": rng.choice([4, 8, 12, 16, 32, 64]), "dp": rng.choice([2, 4, 8, 16])})
+          "section 6", ["labkit.memory.wire_bytes_per_rank", "labkit.mesh.cost.dp_wire_bytes"],
+          source="seed 004, self-check question 1; torch/distributed/pipelining/stage.py")
+@draws(lambda rng: {"m": rng.choice([4, 8, 12, 16, 32, 64]), "dp": rng.choice([2, 4, 8, 16]),
+                    "reshard": rng.choice(["microbatch", "step"])})
 def _zero3_pipeline(p, formula):
-    m, dp = p["m"], p["dp"]
+    m, dp, reshard = p["m"], p["dp"], p.get("reshard", "microbatch")
+    if reshard == "step":
+        wire = formula("labkit.mesh.cost.dp_wire_bytes")
+        ratio = (wire(1.0, dp, 3, m, "step", grad_bytes=2)
+                 / wire(1.0, dp, 1, m, "step", grad_bytes=2))
+        return {"question": f"A pipeline stage pushes m = {m} microbatches through each step; "
+                            f"its weights are sharded over dp = {dp} ranks with ZeRO stage 3 "
+                            "(FSDP), and, as torch's pipelining stage does, it reshards and "
+                            "reduce-scatters only after the last microbatch. How many times "
+                            "the bytes of ZeRO stage 1 does each rank send per step?",
+                "answer": ratio, "unit": "",
+                "solution": ["Stage 1: one reduce-scatter of the gradients and one all-gather of "
+                             "the weights per step, 2 Psi (times (dp - 1)/dp).",
+                             "Kept gathered across microbatches (torch's stage.py turns "
+                             "reshard-after-backward and gradient sync off for every "
+                             "microbatch but the last; torchtitan does not reshard after "
+                             "forward with PP): one all-gather before the first forward, one "
+                             "reduce-scatter after the last backward: 2 Psi too.",
+                             f"Ratio 1 (here {sig(ratio)}). The price is memory, not bytes: the "
+                             "whole gathered weights and gradients are held during the step, "
+                             "ZeRO-1's peak."]}
     wire = formula("labkit.memory.wire_bytes_per_rank")
     ratio = wire(1.0, dp, 3, microbatches=m) / wire(1.0, dp, 1, microbatches=m)
     return {"question": f"A pipeline stage pushes m = {m} microbatches through each step; its "
-                        f"weights are sharded over its dp = {dp} data-parallel ranks. How many "
-                        "times more bytes does each rank send per step under ZeRO stage 3 than "
-                        "under stage 1?",
+                        f"weights are sharded over its dp = {dp} data-parallel ranks, resharded "
+                        "after every forward and backward. How many times more bytes does each "
+                        "rank send per step under ZeRO stage 3 than under stage 1?",
             "answer": ratio, "unit": "",
             "solution": ["Stage 1: the optimizer step comes once, after all microbatches: one "
                          "reduce-scatter of the gradients and one all-gather of the weights, "
                          "2 Psi.",
-                         "Stage 3 gathers each block's weights before every use and frees them: "
-                         "in the forward and again in the backward of every microbatch, and "
-                         "reduce-scatters its gradients every backward: 3 m Psi.",
+                         "Stage 3 resharding every microbatch gathers each block's weights "
+                         "before every use and frees them: in the forward and again in the "
+                         "backward of every microbatch, and reduce-scatters its gradients every "
+                         "backward: 3 m Psi.",
                          f"3m / 2 = 3 x {m} / 2 = {sig(ratio)} (each times (dp - 1)/dp).",
-                         "For a small memory gain (the pipeline already split the weights by pp): "
-                         "why pipelines run with ZeRO-1."]}
+                         "It buys memory: the rank holds 1/dp of its weights. Production stacks "
+                         "often choose the other side of the trade: keep the weights gathered "
+                         "for the step (torch's pipelining, torchtitan), ZeRO-1's bytes at "
+                         "ZeRO-1's peak."]}
 
 
 _MODES = {"none": ("no parallelism, no recomputation", "s b h (34 + 5 a s / h)"),

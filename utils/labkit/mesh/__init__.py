@@ -26,6 +26,7 @@ ragged replicas and a tied embedding (task 2), the search for the best configura
 from labkit.mesh import cost, figures, layout, model  # noqa: F401
 from labkit.mesh.figures import CLUSTERS, DGX_A100, DGX_H100, Cluster, Model  # noqa: F401
 from labkit.mesh.layout import (AXES, axis_groups, check_world_size, coordinates,  # noqa: F401
+                                expert_groups,
                                 crosses_nodes, divisors, inside_node, my_groups, node_of,
                                 nodes_spanned, rank_of, world_size)
 from labkit.mesh.model import (Stage, batches, device_mesh, full_weights,  # noqa: F401

@@ -28,7 +28,7 @@ def plot_cost(predicted: dict, axes=None, title: str = ""):
     """Left: the step's time by part (one stacked bar). Right: chapter 3's ledger of one rank."""
     import matplotlib.pyplot as plt
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+        _, axes = plt.subplots(1, 2, figsize=(9, 3.2))       # ~900 px: a laptop's notebook width
     left, right = axes
     bottom = 0.0
     for part, colour in PARTS.items():
@@ -60,21 +60,31 @@ def explorer():
     from IPython.display import display
 
     models = presets()
-    style = {"description_width": "110px"}
+    # Laid out for a laptop (1280 x 800, JupyterLab's side bar open: ~950 px of notebook): two
+    # columns of controls, each 300 px with its label sized to its text ('initial'), above the
+    # charts; side by side with the charts, the controls were squeezed to three characters.
+    style = {"description_width": "initial"}
+
+    def wide(px=300):
+        return w.Layout(width=f"{px}px")
     controls = {
         "model": w.Dropdown(options=list(models), value="Megatron 145.6B", description="model",
-                            style=style),
+                            style=style, layout=wide()),
         "cluster": w.Dropdown(options=list(figures.CLUSTERS), value="DGX A100",
-                              description="nodes of", style=style),
-        "nodes": w.IntSlider(192, 1, 512, description="nodes", style=style),
-        "tp": w.Dropdown(options=[1, 2, 4, 8, 16], value=8, description="tp", style=style),
-        "pp": w.IntSlider(8, 1, 128, description="pp", style=style),
+                              description="nodes of", style=style, layout=wide()),
+        "nodes": w.IntSlider(192, 1, 512, description="nodes", style=style, layout=wide()),
+        "tp": w.Dropdown(options=[1, 2, 4, 8, 16], value=8, description="tp", style=style,
+                         layout=wide()),
+        "pp": w.IntSlider(8, 1, 128, description="pp", style=style, layout=wide()),
         "zero_stage": w.Dropdown(options=[0, 1, 2, 3], value=1, description="ZeRO stage",
-                                 style=style),
-        "global_batch": w.IntText(2304, description="global batch", style=style),
-        "microbatches": w.IntSlider(96, 1, 512, description="microbatches", style=style),
+                                 style=style, layout=wide()),
+        "reshard": w.Dropdown(options=list(cost.RESHARD), value="microbatch",
+                              description="ZeRO-2/3 reshard every", style=style, layout=wide()),
+        "global_batch": w.IntText(2304, description="global batch", style=style, layout=wide()),
+        "microbatches": w.IntSlider(96, 1, 512, description="microbatches", style=style,
+                                    layout=wide()),
         "recompute": w.Dropdown(options=["full", "selective", "none"], value="full",
-                                description="recompute", style=style),
+                                description="recompute", style=style, layout=wide()),
     }
     out = w.Output()
 
@@ -91,7 +101,8 @@ def explorer():
             config = {"dp": cluster.gpus // (v["tp"] * v["pp"]), "tp": v["tp"], "pp": v["pp"],
                       "zero_stage": v["zero_stage"], "microbatches": v["microbatches"]}
             try:
-                predicted = cost.predict(model, cluster, config, v["global_batch"], v["recompute"])
+                predicted = cost.predict(model, cluster, config, v["global_batch"], v["recompute"],
+                                         reshard=v["reshard"])
             except ValueError as error:
                 print(error)
                 return
@@ -107,7 +118,9 @@ def explorer():
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
-    display(w.HBox([w.VBox(list(controls.values())), out]))
+    items = list(controls.values())
+    display(w.VBox([w.GridBox(items, layout=w.Layout(grid_template_columns="repeat(2, 310px)",
+                                                     grid_gap="4px 12px")), out]))
     return controls
 
 
