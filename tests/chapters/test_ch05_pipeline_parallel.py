@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import lab_notebooks
 import labkit
 from labkit import checks, pipeline
 from labkit.pipeline import Action, checks as lab_checks
@@ -35,7 +36,20 @@ def _reference(grade_id, *names):
     return found[0] if len(found) == 1 else found
 
 
-one_f_one_b = _reference("task1_one_f_one_b", "one_f_one_b")
+zb_h2 = _reference("task1_zb_h2", "zb_h2")
+
+
+def one_f_one_b(p, m):
+    """1F1B for any p and m (torch refuses m < p): the tests' own, for the executor and timeline
+    tests (no longer a lab task, so it lives here, not in the student's labkit)."""
+    schedule = []
+    for k in range(p):
+        warmup = min(p - 1 - k, m)
+        actions = [Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", warmup + i), Action("B", i)]
+        schedule.append(actions + [Action("B", i) for i in range(m - warmup, m)])
+    return schedule
 find_deadlock = _reference("task2_find_deadlock", "find_deadlock")
 run_pipeline = _reference("task3_run_pipeline", "run_pipeline")
 timeline, bubble_fraction = _reference("task4_timeline", "timeline", "bubble_fraction")
@@ -139,13 +153,29 @@ def test_gpipe_bubble_closed_form_matches_the_reference_timeline(p, m, raw, lag)
 
 # ---- the lab's reference answers, as a library -------------------------------------------------
 
-def test_reference_1f1b_matches_torch_where_torch_agrees_and_holds_for_m_below_p():
+def test_reference_1f1b_matches_torch_where_torch_agrees():
+    for p in range(1, 5):
+        for m in range(p, 9):
+            assert pipeline.normalise(one_f_one_b(p, m)) == pipeline.torch_schedule("1F1B", p, m)
+
+
+def test_lab_and_grader_zb_h2_meet_every_bound_and_beat_zb_h1():
+    """The bounds the lab grades are reachable (by the lab's solution and the grader's reference,
+    which agree), tight (no idle when m >= 2p - 1) and not met by chapter 5's ZB-H1."""
     for p in range(1, 7):
         for m in range(1, 11):
-            report = lab_checks.check_one_f_one_b(one_f_one_b, p, m)
-            if m >= p:
-                assert pipeline.normalise(one_f_one_b(p, m)) == pipeline.torch_schedule("1F1B", p, m)
-            assert report.peak_alive == [min(m, p - k) for k in range(p)]
+            report = lab_checks.check_zb_h2_bubble(zb_h2, p, m)
+            lab_checks.check_zb_h2_memory(zb_h2, p, m)
+            assert pipeline.normalise(zb_h2(p, m)) == pipeline_reference.zb_h2(p, m)
+            idle = lab_checks.stage_idle(report, report.schedule)
+            assert idle == lab_checks.zb_h2_idle(p, m)
+            assert report.makespan == max(3 * m + p - 1, 2 * m + 2 * p - 1)
+            if m >= 2 * p - 1:
+                assert idle == [0] * p and report.peak_alive == [2 * p - 1] * p
+            if m >= 2 * p - 1 and p > 1:        # where ZB-H2 has no idle left
+                zb_h1 = pipeline.zero_bubble(pipeline.torch_schedule("1F1B", p, m), m)
+                with pytest.raises(AssertionError, match="stage 0 idles"):
+                    lab_checks.check_zb_h2_bubble(lambda p, m: zb_h1, p, m)
 
 
 def test_reference_deadlock_finder_on_variants_of_every_schedule():
@@ -180,33 +210,43 @@ def test_reference_timeline_with_every_kind_of_schedule():
 
 # ---- the lab's checkers reject the wrong answers the issue names -------------------------------
 
-def deadlocks_for_4_3(p, m):
-    """Right everywhere except p = 4, m = 3, where neighbours disagree on the microbatch order."""
-    return CROSSED if (p, m) == (4, 3) else one_f_one_b(p, m)
+TASK1 = ["test_task1_complete", "test_task1_memory", "test_task1_bubble"]
+SOLUTION_ZB = lab_notebooks.answer(LAB, "task1_zb_h2")
+ZB_WRONG = {
+    # right at p = 4 (the visible cases); at p = 3, m = 2 stage 1 runs I0 before F1, stage 2 F1
+    # before I0: a cycle of waits, so every cell of task 1 is lost
+    "deadlocks at p = 3, m = 2": (SOLUTION_ZB.replace(
+        "    return schedule\n    ### END SOLUTION",
+        "    if (p, m) == (3, 2):\n        return pipeline.parse('F0 F1 I0 W0 I1 W1\\nF0 I0 W0 F1 I1 W1\\n"
+        "F0 F1 I0 W0 I1 W1')\n    return schedule\n    ### END SOLUTION"), set(TASK1)),
+    # no memory budget: the same idle time, m microbatches alive once m > 2p - 1
+    "no budget": (SOLUTION_ZB.replace("budget = min(m, 2 * p - 1)", "budget = m"),
+                  {"test_task1_memory"}),
+    # 1F1B's budget (p): within memory, but the waits before the first I stay
+    "1F1B's budget": (SOLUTION_ZB.replace("budget = min(m, 2 * p - 1)", "budget = min(m, p)"),
+                      {"test_task1_bubble"}),
+}
 
 
-def one_more_warmup(p, m):
-    """Stage k runs p - k forwards before its first backward: p + 1 alive on stage 0."""
-    schedule = []
-    for k in range(p):
-        warmup = min(p - k, m)
-        actions = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [("F", warmup + i), ("B", i)]
-        schedule.append(actions + [("B", i) for i in range(m - warmup, m)])
-    return schedule
+def test_task1_each_wrong_answer_loses_exactly_its_cells():
+    for name, (source, lost) in ZB_WRONG.items():
+        assert source != SOLUTION_ZB, name
+        outcome = lab_notebooks.run_lab(LAB, TASK1, {"task1_zb_h2": source})
+        assert {cell for cell, error in outcome.items() if error is not None} == lost, \
+            (name, outcome)
+    assert all(error is None for error in lab_notebooks.run_lab(LAB, TASK1).values())
 
 
-def test_task1_checkers_reject_a_deadlock_at_4_3_and_too_much_memory():
-    with pytest.raises(AssertionError, match="one_f_one_b\\(4, 3\\) cannot finish"):
-        lab_checks.check_generator(deadlocks_for_4_3, 4, 3)
-    lab_checks.check_generator(one_more_warmup, 4, 8)                 # complete, finishes ...
-    with pytest.raises(AssertionError, match="stage 0 holds 5 microbatches"):
-        lab_checks.check_one_f_one_b(one_more_warmup, 4, 8)            # ... but holds p + 1
-    with pytest.raises(AssertionError, match="holds 8 microbatches"):
-        lab_checks.check_one_f_one_b(lambda p, m: pipeline.gpipe(p, m), 4, 8)
+def test_task1_checkers_name_what_is_wrong():
+    with pytest.raises(AssertionError, match="B is split"):
+        lab_checks.check_zb_h2(lambda p, m: pipeline.gpipe(p, m), 3, 2)
     with pytest.raises(AssertionError, match="did not return a schedule"):
-        lab_checks.check_generator(lambda p, m: [["F0", "Q1"]] * p, 2, 1)
+        lab_checks.check_zb_h2(lambda p, m: [["F0", "Q1"]] * p, 2, 1)
+    split_gpipe = lambda p, m: [[("F", i) for i in range(m)] + [(k, i) for i in range(m)  # noqa: E731
+                                for k in "IW"] for _ in range(p)]
+    lab_checks.check_zb_h2(split_gpipe, 3, 8)                       # complete, finishes ...
+    with pytest.raises(AssertionError, match="stage 0 holds 8 microbatches"):
+        lab_checks.check_zb_h2_memory(split_gpipe, 3, 8)            # ... but holds m
 
 
 def _blocked_placement_finder():

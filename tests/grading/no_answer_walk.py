@@ -35,7 +35,7 @@ TASKS = {
         "predict_collectives": ["(), dict(zero_stage=3, layers=2, microbatches=2)"],
     },
     "lab05_pipeline_parallel": {
-        "one_f_one_b": ["(4, 8), {}", "(4, 3), {}"],
+        "zb_h2": ["(4, 8), {}", "(4, 3), {}"],
         "find_deadlock": ["(pipeline.gpipe(4, 3), 3), {}", "(pipeline.interleaved_1f1b(2, 4, 2), 4), {}",
                           "(pipeline.parse('F0 F1 F2 B0 B1 B2\\nF0 F1 B0 F2 B1 B2\\nF0 B0 F1 B1 F2 B2\\n"
                           "F1 B1 F0 B0 F2 B2'), 3), {}"],

@@ -20,13 +20,29 @@ WALK = os.path.join(os.path.dirname(__file__), "no_answer_walk.py")
 PLANTED = '''
 def schedule_for(p, m):
     from labkit.pipeline import Action
-    out = []
-    for k in range(p):
-        warm = min(p - 1 - k, m)
-        actions = [Action("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            actions += [Action("F", warm + i), Action("B", i)]
-        out.append(actions + [Action("B", i) for i in range(m - warm, m)])
+    out, f_end, i_end = [[] for _ in range(p)], {}, {}
+    nf, ni, alive, waiting, t = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)], 0
+    while any(len(a) < 3 * m for a in out):
+        ran = []
+        for k in range(p):
+            i, f = ni[k], nf[k]
+            if i < f and f_end[(k, i)] <= t and (k == p - 1 or i_end.get((k + 1, i), 1e9) <= t):
+                ran.append((k, Action("I", i)))
+            elif f < m and alive[k] < min(m, 2 * p - 1) and (k == 0 or f_end.get((k - 1, f), 1e9) <= t):
+                ran.append((k, Action("F", f)))
+            elif waiting[k]:
+                ran.append((k, Action("W", waiting[k][0])))
+        for k, a in ran:
+            out[k].append(a)
+            if a.kind == "I":
+                i_end[(k, a.microbatch)], ni[k] = t + 1, ni[k] + 1
+                waiting[k].append(a.microbatch)
+            elif a.kind == "F":
+                f_end[(k, a.microbatch)], nf[k], alive[k] = t + 1, nf[k] + 1, alive[k] + 1
+            else:
+                waiting[k].pop(0)
+                alive[k] -= 1
+        t += 1
     return out
 '''
 
@@ -52,7 +68,7 @@ def test_no_function_of_the_student_copy_answers_a_graded_task(tmp_path):
         f.write(PLANTED)             # a copy of lab 5's answer: the walk must find it
     out = walk(copy)
     planted = ("labkit.pipeline.extra.schedule_for answers lab05_pipeline_parallel's "
-               "one_f_one_b on its visible case")
+               "zb_h2 on its visible case")
     assert planted in out["leaks"], f"the walk missed a planted answer: {out['leaks']}"
     leaks = [leak for leak in out["leaks"] if leak != planted]
     assert not leaks, "the student copy answers graded tasks:\n  " + "\n  ".join(leaks)

@@ -19,7 +19,7 @@ F/B/I/W with point-to-point messages, a virtual clock, activation bytes; pipelin
 bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench), `plots.py`
 (timelines; the measured bubble), `checks.py` (lab 5's checkers).
 
-Not here (lab 5): a 1F1B generator, the deadlock cycle finder, an executor for v chunks per rank,
+Not here (lab 5): ZB-H2 (zero bubble with about twice 1F1B's activations), the deadlock cycle finder, an executor for v chunks per rank,
 the timeline with per-stage costs and message time.
 """
 from labkit.pipeline.analysis import (Deadlock, Report, bubble_formula, bubble_ratio_formula,

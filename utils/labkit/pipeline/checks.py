@@ -1,7 +1,8 @@
 """Checkers of lab 5 (`labs/lab05_pipeline_parallel/`); tests/chapters/test_ch05 calls the same.
 
-    check_generator(one_f_one_b, p, m)              # task 1: complete and deadlock-free
-    check_one_f_one_b(one_f_one_b, p, m)            # task 1: 1F1B's memory bound, GPipe's bubble
+    check_zb_h2(zb_h2, p, m)                        # task 1: complete, split, deadlock-free
+    check_zb_h2_memory(zb_h2, p, m)                 # task 1: at most min(m, 2p - 1) alive
+    check_zb_h2_bubble(zb_h2, p, m)                 # task 1: idle per stage, unit costs
     check_finds_no_deadlock(find_deadlock, schedule, m)
     check_finds_cycle(find_deadlock, schedule, m)   # task 2: the cycle is verified, wait by wait
     check_executor(world, run_pipeline, "interleaved", m=4, v=2)           # task 3: gradients
@@ -42,47 +43,88 @@ def _returned_schedule(value, what: str, p: int) -> list:
     return schedule
 
 
-# ---- task 1: a 1F1B generator ------------------------------------------------------------------
+# ---- task 1: a ZB-H2 generator -----------------------------------------------------------------
 
-def check_generator(generator, p: int, m: int) -> list:
-    """generator(p, m) is complete (each stage: F i and B i once for every i) and deadlock-free."""
-    what = f"one_f_one_b({p}, {m})"
+def zb_h2_memory_bound(p: int, m: int) -> list:
+    """Per stage: the most microbatches ZB-H2 may hold at once, min(m, 2p - 1) (stage 0 must run
+    2p - 1 forwards before its first I can arrive; Qi et al. 2024 budget 2p)."""
+    return [min(m, 2 * p - 1)] * p
+
+
+def zb_h2_idle(p: int, m: int) -> list:
+    """Per stage k: the least idle time between its first and its last action, unit costs
+    F = I = W = 1: max(0, 2p - 1 - 2k - m). Stage k starts at k (its F0 arrives), its first I
+    cannot start before 2p - 1 - k (F0 down to stage p-1 and I0 back), and only forwards (at most
+    m) can fill the wait; after that, pending Ws fill every gap. Zero on every stage once
+    m >= 2p - 1: the parallelogram, whose steps tile back to back."""
+    return [max(0, 2 * p - 1 - 2 * k - m) for k in range(p)]
+
+
+def stage_idle(report: analysis.Report, schedule) -> list:
+    """Per stage: (its last end - its first start) - its busy time, on the report's timeline."""
+    idle = []
+    for k, actions in enumerate(normalise(schedule)):
+        times = [report.timeline[(k, a)] for a in actions if (k, a) in report.timeline]
+        span = max(e for _, e in times) - min(s for s, _ in times) if times else 0
+        idle.append(span - report.busy[k])
+    return idle
+
+
+def check_zb_h2(generator, p: int, m: int) -> analysis.Report:
+    """generator(p, m) is complete with split backwards (each stage: F i, I i and W i once for
+    every i, no B, one chunk) and finishes (buffered sends). The report keeps the schedule
+    (report.schedule)."""
+    what = f"zb_h2({p}, {m})"
     schedule = _returned_schedule(generator(p, m), what, p)
     odd = [f"stage {k}: {a}" for k, actions in enumerate(schedule) for a in actions
-           if a.kind not in "FB" or a.chunk]
+           if a.kind not in "FIW" or a.chunk]
     if odd:
-        raise AssertionError(f"{what}: 1F1B uses F and B on one chunk per stage, got {odd[:3]}")
+        raise AssertionError(f"{what}: ZB-H2 uses F, I and W on one chunk per stage (B is split "
+                             f"into I and W), got {odd[:3]}")
     report = analysis.check_schedule(schedule, m)
     if report.problems:
         raise AssertionError(f"{what} is incomplete: {'; '.join(report.problems[:3])}. Every stage "
-                             f"runs F i and B i exactly once for each microbatch i in 0..{m - 1}")
+                             f"runs F i, I i and W i exactly once for each microbatch i in "
+                             f"0..{m - 1}")
     if report.deadlock is not None:
-        hint = ("with m < p the warm-up cannot be p - 1 - k forwards: there are only m"
-                if m < p else "stage k may run at most p - k forwards before its first backward, "
-                "and every stage takes the microbatches in the same order")
-        raise AssertionError(f"{what} cannot finish: {report.deadlock}. {hint}")
-    return schedule
+        raise AssertionError(f"{what} cannot finish: {report.deadlock}. Stage k can only run I i "
+                             "once stage k + 1 ran its I i, and every stage must take the "
+                             "microbatches' forwards in the same order")
+    report.schedule = schedule
+    return report
 
 
-def check_one_f_one_b(generator, p: int, m: int) -> analysis.Report:
-    """...and it is a 1F1B: stage k holds at most min(m, p - k) microbatches' activations at once,
-    and the step takes no longer than GPipe's (m + p - 1)(t_F + t_B) with unit costs."""
-    schedule = check_generator(generator, p, m)
-    report = analysis.check_schedule(schedule, m)
-    bound = [min(m, p - k) for k in range(p)]
-    for k in range(p):
-        if report.peak_alive[k] > bound[k]:
-            raise AssertionError(
-                f"one_f_one_b({p}, {m}): stage {k} holds {report.peak_alive[k]} microbatches' "
-                f"activations at once; 1F1B holds at most min(m, p - k) = {bound[k]} on stage {k} "
-                f"(peaks {report.peak_alive}, bounds {bound}): run the backward of the oldest "
-                "microbatch as soon as the warm-up forwards are done")
-    gpipe = 3 * (m + p - 1)
-    if report.makespan > gpipe:
+def check_zb_h2_memory(generator, p: int, m: int) -> analysis.Report:
+    """...and no stage holds more than min(m, 2p - 1) microbatches' activations at once (a
+    forward stores them, the W frees them: report.peak_alive)."""
+    report = check_zb_h2(generator, p, m)
+    bound = zb_h2_memory_bound(p, m)
+    over = [k for k in range(p) if report.peak_alive[k] > bound[k]]
+    if over:
+        k = over[0]
         raise AssertionError(
-            f"one_f_one_b({p}, {m}) takes {report.makespan} time units (F = 1, B = 2), GPipe "
-            f"{gpipe}: the schedule adds bubble. A stage that waits for a gradient while it could "
-            "run a forward has too short a warm-up (p - 1 - k forwards on stage k, at most m)")
+            f"zb_h2({p}, {m}): stage {k} holds {report.peak_alive[k]} microbatches' activations at "
+            f"once, ZB-H2's budget is min(m, 2p - 1) = {bound[k]} (peaks {report.peak_alive}): "
+            "a microbatch stays alive from its F to its W, so run a waiting W before a forward "
+            "that would go over the budget")
+    return report
+
+
+def check_zb_h2_bubble(generator, p: int, m: int) -> analysis.Report:
+    """...and, on the unit-cost clock (F = I = W = 1), stage k idles no more than
+    max(0, 2p - 1 - 2k - m) between its first and its last action (zb_h2_idle): no gap at all
+    once m >= 2p - 1. ZB-H1 (pipeline.zero_bubble of a 1F1B) idles p - 1 on stage 0."""
+    report = check_zb_h2(generator, p, m)
+    idle, bound = stage_idle(report, report.schedule), zb_h2_idle(p, m)
+    over = [k for k in range(p) if idle[k] > bound[k]]
+    if over:
+        k = over[0]
+        raise AssertionError(
+            f"zb_h2({p}, {m}): stage {k} idles {idle[k]} time units between its first and its last "
+            f"action (F = I = W = 1), at most {bound[k]} = max(0, 2p - 1 - 2k - m) is possible "
+            f"(idle per stage {[int(x) if x == int(x) else float(x) for x in idle]}, bounds "
+            f"{bound}). Stage k's first I can start at 2p - 1 - k: fill that wait with forwards, "
+            "and later keep a W in hand for every moment the stage would otherwise wait")
     return report
 
 

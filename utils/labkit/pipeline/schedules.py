@@ -16,8 +16,8 @@ ScheduleInterleaved1F1B use). With v = 1 the virtual stage is the rank.
 
 What is here: the Action type, parsing and printing, the virtual-stage map, GPipe, interleaved
 1F1B (v >= 2), the zero-bubble variant built from a given 1F1B, and the orders torch's own
-schedule classes run (`torch_schedule`). What is not: a 1F1B generator (lab 5, task 1); use
-`torch_schedule("1F1B", p, m)` where torch accepts the case (m >= p).
+schedule classes run (`torch_schedule`). What is not: ZB-H2 (lab 5, task 1), and a 1F1B
+generator of its own; use `torch_schedule("1F1B", p, m)` where torch accepts the case (m >= p).
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list:
     _check_sizes(p, m, v)
     if v < 2:
         raise ValueError("interleaved_1f1b needs v >= 2 chunks per rank; v = 1 is plain 1F1B "
-                         "(lab 5, task 1, or torch_schedule('1F1B', p, m) for m >= p)")
+                         "(torch_schedule('1F1B', p, m) for m >= p)")
     if m % p:
         raise ValueError(f"interleaved_1f1b needs m ({m}) to be a multiple of p ({p}): "
                          f"m % p = {m % p}; use m = {m + p - m % p}, or torch's flexible "
