@@ -281,3 +281,52 @@ def test_a_hang_becomes_a_timeout_with_a_diagnosis():
     world = labkit.world(1, timeout=20)
     with pytest.raises(labkit.CallTimeout):
         checks.check_all_reduce(world, hangs_alone, 10, timeout=3)
+
+
+# ---- chapter 1, third edition (issue 32): Rabenseifner and the binomial broadcast ----------
+
+@settings(deadline=None)
+@given(st.integers(0, 12), st.floats(0, 1e12), alphas, betas)
+def test_rabenseifner_has_the_rings_bytes_with_log2_p_latencies(k, n, alpha, beta):
+    P = 2 ** k
+    t = collectives.rabenseifner_all_reduce_time(n, P, alpha, beta)
+    assert math.isclose(t, 2 * k * alpha + collectives.ring_bytes_sent("all_reduce", n, P) * beta,
+                        rel_tol=1e-12, abs_tol=1e-300)
+    if k >= 2:      # never slower than the ring, and strictly faster in latency
+        assert t <= collectives.ring_all_reduce_time(n, P, alpha, beta) * (1 + 1e-12)
+
+
+def test_rabenseifner_refuses_a_world_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two, got P = 6.*largest power of two below it \\(4\\)"):
+        collectives.rabenseifner_all_reduce_time(1e6, 6, 1e-6, 1e-9)
+
+
+def test_broadcast_bytes_are_per_rank_not_n_for_everyone():
+    with pytest.raises(ValueError, match="broadcast_bytes_sent"):
+        collectives.ring_bytes_sent("broadcast", 100, 4)
+    assert collectives.broadcast_bytes_sent(100, 8) == [300, 200, 100, 100, 0, 0, 0, 0]
+    assert collectives.broadcast_bytes_sent(100, 4, tree="chain") == [100, 100, 100, 0]
+    with pytest.raises(ValueError, match="unknown broadcast tree 'star'"):
+        collectives.broadcast_bytes_sent(100, 4, tree="star")
+
+
+def _broadcast_ones(n):
+    import torch
+    import torch.distributed as dist
+    dist.broadcast(torch.ones(n), src=0)
+
+
+@pytest.mark.parametrize("P", [3, 5])
+def test_gloo_broadcast_is_the_binomial_tree_on_the_wire(P):
+    """Counted by the OS at P = 3 and 5 (not powers of two): the root sends ceil(log2 P) copies
+    to ranks 1, 2, 4, ...; ranks >= P/2 send only gloo's 48-byte notices."""
+    n_floats = 1 << 16
+    world = labkit.world(P, backend="gloo", teaching=False)
+    with world.traffic() as traffic:
+        world.run(_broadcast_ones, n_floats)
+    predicted = collectives.broadcast_bytes_sent(4 * n_floats, P)
+    for r in range(P):
+        assert abs(traffic.sent[r] - predicted[r]) <= 4 * collectives.GLOO_FRAMING_BYTES, (r, traffic.sent, predicted)
+    assert traffic.peers(0, at_least=4 * n_floats) == [q for q in (1, 2, 4) if q < P]
+    chain = collectives.broadcast_bytes_sent(4 * n_floats, P, tree="chain")
+    assert any(abs(traffic.sent[r] - chain[r]) > 4 * n_floats // 2 for r in range(P))

@@ -9,6 +9,12 @@ tensor: the input of all_reduce and reduce_scatter, the output of all_gather.
     ring all-reduce       2(P-1) * (alpha + n/P * beta)     = reduce-scatter + all-gather
     recursive doubling    steps * (alpha + n * beta),  steps = log2 P for a power of two,
                           floor(log2 P) + 2 otherwise (fold the extra ranks in, hand back)
+    Rabenseifner          2 log2(P) * alpha + 2(P-1)/P * n * beta   (P a power of two):
+                          reduce-scatter by recursive halving, all-gather by recursive doubling
+                          (Thakur, Rabenseifner and Gropp 2005; MPICH's long-message all-reduce)
+
+Broadcast bytes are per rank (`broadcast_bytes_sent`): in a binomial tree (gloo's) the root sends
+ceil(log2 P) copies of n and the last half of the ranks send none.
 
 Bus bandwidth (nccl-tests, PERFORMANCE.md): algbw = n / t; busbw = algbw * factor, where the
 factor is 2(P-1)/P for all_reduce, (P-1)/P for all_gather, reduce_scatter and all_to_all, and 1 for
@@ -77,6 +83,23 @@ def recursive_doubling_all_reduce_time(n_bytes, world_size, alpha, beta):
     return recursive_doubling_steps(world_size) * (alpha + n_bytes * beta)
 
 
+def rabenseifner_all_reduce_time(n_bytes, world_size, alpha, beta):
+    """2 log2(P) * alpha + 2(P-1)/P * n * beta, for P a power of two (chapter 1, section 7).
+
+    Reduce-scatter by recursive halving (log2 P steps sending n/2, n/4, ..., n/P bytes), then
+    all-gather by recursive doubling (the same steps backwards): the ring's bytes with log2 P
+    latencies per half (Thakur, Rabenseifner and Gropp 2005, section 4.4). Other P raise: their
+    extra fold-in steps are not modelled here.
+    """
+    _check(n_bytes, world_size)
+    if world_size & (world_size - 1):
+        raise ValueError(f"Rabenseifner's formula here is for P a power of two, got P = {world_size}; "
+                         f"use the largest power of two below it ({1 << (world_size.bit_length() - 1)}) "
+                         "plus the fold-in steps, or the ring")
+    steps = int(math.log2(world_size))
+    return 2 * steps * alpha + 2 * (world_size - 1) / world_size * n_bytes * beta
+
+
 ALL_REDUCE_ALGORITHMS = {"ring": ring_all_reduce_time,
                          "recursive doubling": recursive_doubling_all_reduce_time}
 
@@ -108,15 +131,40 @@ def bus_factor(collective, world_size):
 def ring_bytes_sent(collective, n_bytes, world_size):
     """Bytes one rank sends in the ring algorithm (or all_to_all's direct exchange).
 
-    all_reduce 2(P-1)/P * n; reduce_scatter, all_gather, all_to_all (P-1)/P * n. A broadcast
-    root sends n (once per ring); a reduce sends (P-1)/P * n per rank in a ring.
+    all_reduce 2(P-1)/P * n; reduce_scatter, all_gather, all_to_all (P-1)/P * n; a reduce sends
+    (P-1)/P * n per rank in a ring. A broadcast has no single per-rank figure (the root sends,
+    the last rank does not): `broadcast_bytes_sent` gives one per rank.
     """
     _check(n_bytes, world_size)
     if collective == "broadcast":
-        return n_bytes
+        raise ValueError("ring_bytes_sent('broadcast', ...): a broadcast's bytes differ from rank to "
+                         "rank (the root sends, the leaves do not); use "
+                         "collectives.broadcast_bytes_sent(n_bytes, world_size, tree=...) for one "
+                         "figure per rank")
     if collective == "reduce":
         return (world_size - 1) / world_size * n_bytes
     return bus_factor(collective, world_size) * n_bytes
+
+
+def broadcast_bytes_sent(n_bytes, world_size, tree="binomial"):
+    """Bytes each rank sends in a broadcast of n bytes from rank 0: a list, one figure per rank.
+
+    tree="binomial" (gloo's, counted in chapter 1, section 4): in round k = 0, 1, ... every rank
+    r < 2^k that holds the data sends it to r + 2^k (if that rank exists), so rank r sends one
+    copy for each power of two 2^k > r with r + 2^k < P: the root ceil(log2 P) copies, rank 1
+    one fewer, and every rank r >= P/2 none. tree="chain" (a ring cut open, pipelined): ranks
+    0 .. P-2 send n each, the last rank nothing.
+    """
+    _check(n_bytes, world_size)
+    P = world_size
+    if tree == "binomial":
+        copies = [sum(1 for k in range(P.bit_length()) if (1 << k) > r and r + (1 << k) < P)
+                  for r in range(P)]
+    elif tree == "chain":
+        copies = [1] * (P - 1) + [0]
+    else:
+        raise ValueError(f"unknown broadcast tree {tree!r}; known: 'binomial', 'chain'")
+    return [c * n_bytes for c in copies]
 
 
 def algbw(n_bytes, seconds):
