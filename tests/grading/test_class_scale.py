@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -446,6 +447,34 @@ def test_student_copy_works_as_handed_out(tmp_path):
     env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
     specs = subprocess.run([str(venv / "bin" / "jupyter"), "kernelspec", "list", "--json"],
                            capture_output=True, text=True, timeout=120, env=env, check=True)
+    # only what students need: no instructor extra (psycopg), no test packages; nbgrader's
+    # instructor panels off by the README's `labkit student-setup`, as JupyterLab reports them
+    absent = subprocess.run([str(venv / "bin" / "python"), "-c", "import psycopg"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert absent.returncode != 0 and "No module named 'psycopg'" in absent.stderr
+    assert "labkit student-setup" in readme
+    setup = subprocess.run([str(venv / "bin" / "labkit"), "student-setup"], capture_output=True,
+                           text=True, timeout=300, env=env, cwd=dist)
+    assert setup.returncode == 0, setup.stdout + setup.stderr
+    plain = dict(env, NO_COLOR="1", TERM="dumb")
+    lab_list = subprocess.run([str(venv / "bin" / "jupyter"), "labextension", "list"],
+                              capture_output=True, text=True, timeout=120, env=plain, cwd=dist)
+    listed = lab_list.stdout + lab_list.stderr
+    disabled = listed.split("Disabled extensions:")[-1].split("Config dir")[0].split()
+    assert "Disabled extensions:" in listed, listed
+    assert {"@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:create-assignment",
+            "@jupyter/nbgrader:course-list", "@jupyter/nbgrader:menu"} <= set(disabled), listed
+    assert "@jupyter/nbgrader:validate-assignment" not in disabled, listed
+    server_list = subprocess.run([str(venv / "bin" / "jupyter"), "server", "extension", "list"],
+                                 capture_output=True, text=True, timeout=120, env=plain, cwd=dist)
+    state = {}
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", server_list.stdout + server_list.stderr).splitlines():
+        words = line.split()
+        if len(words) == 2 and words[1] in ("enabled", "disabled"):
+            state[words[0]] = words[1]        # only the venv's config dir names nbgrader
+    for name in ["formgrader", "course_list", "assignment_list"]:
+        assert state.get(f"nbgrader.server_extensions.{name}") == "disabled", state
+    assert state.get("nbgrader.server_extensions.validate_assignment") == "enabled", state
     nb_kernels = {nbformat.read(p, 4).metadata.kernelspec.name
                   for p in glob.glob(str(dist / "*" / "**" / "*.ipynb"), recursive=True)}
     assert nb_kernels == {"python3"}
