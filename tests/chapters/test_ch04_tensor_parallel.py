@@ -307,3 +307,26 @@ def test_vocab_bounds_cover_the_vocabulary_once(tokens, vocab, uneven):
     assert bounds[0][0] == 0 and bounds[-1][1] == vocab
     assert all(e > s for s, e in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert (targets != -100).any()
+
+
+# ---- third edition (issue 28): the two sequence-parallel deals, bytes, overlap, GQA, vocab ------
+
+@given(st.integers(1, 8), st.sampled_from([6, 12, 24]), st.integers(1, 4))
+def test_regather_in_backward_keeps_exactly_one_over_t(B, T, tp):
+    shape = dict(B=B, T=T, H=20, A=12, F=36, heads=4)
+    one = tpk.activation_elements(**shape)
+    regather = tpk.activation_elements(**shape, tp=tp, sequence_parallel=True, regather_in_backward=True)
+    whole = tpk.activation_elements(**shape, tp=tp, sequence_parallel=True)
+    assert math.isclose(regather * tp, one, rel_tol=1e-12)
+    assert math.isclose(whole - regather, 2 * B * T * 20 * (1 - 1 / tp), rel_tol=1e-12, abs_tol=1e-9)
+
+
+def test_regather_in_backward_costs_two_all_gathers_and_needs_sequence_parallelism():
+    n = 8 * 96 * 48 * 4
+    extra = (tpk.tp_layer_bytes(8, 96, 48, 3, sequence_parallel=True, regather_in_backward=True)
+             - tpk.tp_layer_bytes(8, 96, 48, 3, sequence_parallel=True))
+    assert math.isclose(extra, 2 * 2 / 3 * n)
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        tpk.tp_layer_bytes(8, 96, 48, 3, regather_in_backward=True)
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        tpk.activation_elements(8, 96, 48, 60, 120, 12, tp=3, regather_in_backward=True)

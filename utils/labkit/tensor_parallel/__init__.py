@@ -186,7 +186,8 @@ def all_gather_bytes(n_bytes, tp):
     return (tp - 1) / tp * n_bytes
 
 
-def tp_layer_bytes(B, T, H, tp, itemsize=4, sequence_parallel=False, reduce_scatter_factor=1.0):
+def tp_layer_bytes(B, T, H, tp, itemsize=4, sequence_parallel=False, reduce_scatter_factor=1.0,
+                   regather_in_backward=False):
     """Bytes one rank sends for one transformer layer, forward and backward (Megatron layout).
 
     Tensor parallel: f and g each cost one all-reduce of an activation [B, T, H] (n = B T H b
@@ -196,11 +197,19 @@ def tp_layer_bytes(B, T, H, tp, itemsize=4, sequence_parallel=False, reduce_scat
     each: the same 4 * 2(t-1)/t * n on a ring. gloo's reduce-scatter is an all-reduce that keeps
     one block (chapter 1, section 5): pass reduce_scatter_factor=2 for what gloo sends. The
     all-reduce of the gradients that sequence parallelism turns into partial sums is not counted
-    here (6H values per layer: see `sequence_parallel_grad_bytes`)."""
+    here (6H values per layer: see `sequence_parallel_grad_bytes`).
+    regather_in_backward (Megatron-LM's choice, sequence parallel only): the column-parallel
+    layers keep only their input's shard and all-gather it again in backward, one more
+    all-gather per sub-block: + 2 * (t-1)/t * n."""
     n = B * T * H * itemsize
     if not sequence_parallel:
+        if regather_in_backward:
+            raise ValueError("regather_in_backward=True needs sequence_parallel=True: without "
+                             "sequence parallelism the column layers' input is already whole")
         return 4 * all_reduce_bytes(n, tp)
-    return 4 * all_gather_bytes(n, tp) + 4 * reduce_scatter_factor * all_gather_bytes(n, tp)
+    regathers = 2 if regather_in_backward else 0
+    return ((4 + regathers) * all_gather_bytes(n, tp)
+            + 4 * reduce_scatter_factor * all_gather_bytes(n, tp))
 
 
 def sequence_parallel_grad_bytes(H, tp, itemsize=4):
@@ -224,7 +233,8 @@ def gathered_logits_bytes(N, V, tp, itemsize=4):
 
 # ---- formulas: activation memory ----------------------------------------------------------------
 
-def activation_elements(B, T, H, A, F, heads, tp=1, sequence_parallel=False):
+def activation_elements(B, T, H, A, F, heads, tp=1, sequence_parallel=False,
+                        regather_in_backward=False):
     """Elements autograd keeps for backward in one `Block` (no dropout), per rank.
 
     Counted from what each op saves (course section 4 derives it):
@@ -235,11 +245,16 @@ def activation_elements(B, T, H, A, F, heads, tp=1, sequence_parallel=False):
     With sequence parallelism the LayerNorm part is split too; the inputs of the column-parallel
     layers are all-gathered and kept whole (2 B T H) unless backward gathers them again, as
     Megatron-LM does. The paper's own per-layer formula (16-bit, dropout, F = 4H) is chapter 3's
-    `labkit.memory.ledger.activation_bytes_per_layer`."""
+    `labkit.memory.ledger.activation_bytes_per_layer`. regather_in_backward=True is Megatron's
+    way: the column layers keep their input's shard, and everything is exactly 1/t of tp=1."""
     split = 4 * B * T * A + heads * B * T * T + 2 * B * T * F
     layernorm, column_inputs = 2 * B * T * H + 4 * B * T, 2 * B * T * H
     if not sequence_parallel:
+        if regather_in_backward:
+            raise ValueError("regather_in_backward=True needs sequence_parallel=True")
         return layernorm + column_inputs + split / tp
+    if regather_in_backward:
+        return (column_inputs + layernorm + split) / tp
     return column_inputs + (layernorm + split) / tp
 
 
