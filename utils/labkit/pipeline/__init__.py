@@ -19,7 +19,8 @@ F/B/I/W with point-to-point messages, a virtual clock, activation bytes; pipelin
 bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench), `plots.py`
 (timelines; the measured bubble), `checks.py` (lab 5's checkers).
 
-Not here (lab 5): ZB-H2 (zero bubble with about twice 1F1B's activations), the deadlock cycle finder, an executor for v chunks per rank,
+Not here (lab 5): ZB-H2 (zero bubble with about twice 1F1B's activations), the deadlock cycle
+finder, an executor for v chunks per rank,
 the timeline with per-stage costs and message time.
 """
 from labkit.pipeline.analysis import (Deadlock, Report, bubble_formula, bubble_ratio_formula,
@@ -31,14 +32,16 @@ from labkit.pipeline.executor import ActivationMeter, pipeline_step, pipeline_st
 from labkit.pipeline.plots import draw_timeline, events_timeline, measured_bubble
 from labkit.pipeline.schedules import (KINDS, Action, action, chunks_of, format_schedule, gpipe,
                                        interleaved_1f1b, normalise, parse, placement,
-                                       torch_pipeline_order, torch_schedule, unit_cost,
+                                       torch_pipeline_order, torch_schedule, torch_table_kinds,
+                                       unit_cost,
                                        virtual_stage, zero_bubble)
 from labkit.pipeline.torch_runs import torch_step
 
 __all__ = [
     "Action", "action", "normalise", "parse", "format_schedule", "chunks_of", "KINDS",
     "virtual_stage", "placement", "unit_cost", "gpipe", "interleaved_1f1b", "zero_bubble",
-    "torch_schedule", "torch_pipeline_order", "check_schedule", "Report", "Deadlock", "validate",
+    "torch_schedule", "torch_pipeline_order", "torch_table_kinds", "check_schedule", "Report",
+    "Deadlock", "validate",
     "simulate", "simulate_blocking_sends", "peak_alive", "link_order", "bubble_formula",
     "bubble_ratio_formula", "make_model", "cut", "microbatches", "reference_gradients",
     "token_count", "run_actions", "pipeline_step", "pipeline_steps", "ActivationMeter",

@@ -233,7 +233,8 @@ def zero_bubble(one_f_one_b, m: int) -> list:
 
 # ---- torch's own schedules ---------------------------------------------------------------------
 
-TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+TORCH_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")      # V placement: rank r holds r, 2p-1-r
 
 
 class _RecordingStage:
@@ -265,7 +266,8 @@ def torch_schedule(name: str, p: int, m: int, v: int = 1) -> list:
 
     "GPipe" and "1F1B": torch's `_step_microbatches` is run against a stand-in stage that records
     each forward and backward it is asked for (no ranks, no messages). "Interleaved1F1B": the
-    schedule's `pipeline_order`, the table its runtime executes. torch raises its own errors
+    schedule's `pipeline_order`, the table its runtime executes; likewise
+    "InterleavedZeroBubble" (F, I, W; looped placement). torch raises its own errors
     where it refuses a case (1F1B with m < p).
     """
     from types import SimpleNamespace
@@ -273,10 +275,12 @@ def torch_schedule(name: str, p: int, m: int, v: int = 1) -> list:
     _check_sizes(p, m, v)
     if name not in TORCH_SCHEDULES:
         raise ValueError(f"name must be one of {TORCH_SCHEDULES}, got {name!r}")
-    if name == "Interleaved1F1B":
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        import torch
         stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0,
-                                  stage_index=c * p) for c in range(v)]
-        table = pipelining.ScheduleInterleaved1F1B(stages, m).pipeline_order
+                                  stage_index=c * p, submod=torch.nn.Identity())
+                  for c in range(v)]
+        table = getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
         return [[_from_torch_action(a, p) for a in table[rank] if a is not None]
                 for rank in range(p)]
     if v != 1:
@@ -288,6 +292,28 @@ def torch_schedule(name: str, p: int, m: int, v: int = 1) -> list:
         cls(stage, m)._step_microbatches([()] * m, [{}] * m, None, None, return_outputs=False)
         schedule.append(stage.actions)
     return schedule
+
+
+def torch_table_kinds(name: str, p: int, m: int) -> dict:
+    """How many actions of each kind torch's V-shaped tables ("ZBVZeroBubble", "DualPipeV": two
+    chunks per rank, rank r holding virtual stages r and 2p - 1 - r) list over all ranks, e.g.
+    {"F": 2pm, "I": ..., "W": ..., "OVERLAP_F_B": ...}. The checker's virtual-stage map is the
+    looped one, so these tables are counted here, not scheduled."""
+    from types import SimpleNamespace
+    import torch
+    from torch.distributed import pipelining
+    _check_sizes(p, m)
+    if name not in TORCH_V_SCHEDULES:
+        raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, got {name!r}")
+    stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=0, stage_index=index,
+                              submod=torch.nn.Identity()) for index in (0, 2 * p - 1)]
+    table = getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
+    kinds = {}
+    for rank in range(p):
+        for a in table[rank]:
+            if a is not None:
+                kinds[a.computation_type.name] = kinds.get(a.computation_type.name, 0) + 1
+    return kinds
 
 
 def torch_pipeline_order(name: str, p: int, m: int) -> list:
