@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    from labkit.tools.cli import run_module
+    from labkit.common import run_module
     return run_module(sys.modules[__name__], argv, prog="labkit drill",
                       description="the interview drill: derivations and cards, in a terminal")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 
-from labkit.tools.release import HIDDEN_BEGIN as BEGIN_HIDDEN, HIDDEN_END as END_HIDDEN
+from labkit.common import HIDDEN_BEGIN as BEGIN_HIDDEN, HIDDEN_END as END_HIDDEN
 
 
 def role(cell) -> str:

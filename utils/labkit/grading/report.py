@@ -426,7 +426,7 @@ def find_gradebook(lab: str, db: str | None = None, grading: str | None = None,
                               f"{lab}` was given, or --db URL")
         return "sqlite:///" + path
     import glob
-    from labkit.grading.pipeline import find_course_root
+    from labkit.common import find_course_root
     try:
         root = find_course_root(course)
     except FileNotFoundError:
@@ -467,7 +467,7 @@ def run(args) -> int:
         elif db_url.startswith("sqlite:///"):
             out = os.path.join(os.path.dirname(db_url[len("sqlite:///"):]), "report.html")
         else:
-            from labkit.grading.pipeline import find_course_root
+            from labkit.common import find_course_root
             out = os.path.join(find_course_root(args.course), "grading", args.lab, "report.html")
         data = load(db_url, args.lab)
     except (LookupError, FileNotFoundError) as error:

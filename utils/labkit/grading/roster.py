@@ -190,7 +190,7 @@ def import_submissions(lab: str, export: str, roster: str, out: str, deadline: s
     """Sort a platform's export into OUT/<student_id>/; return what happened (see the docstring):
     {imported: [manifest rows], unmatched: [(file, why)], ambiguous: [(file, [student_id])],
     superseded: [(file, student_id, kept file)], missing: [(student_id, label)], manifest}."""
-    from labkit.grading.pipeline import find_course_root
+    from labkit.common import find_course_root
     source = os.path.join(find_course_root(course), "solutions", lab)
     notebooks = sorted(n[:-6] for n in os.listdir(source) if n.endswith(".ipynb")) \
         if os.path.isdir(source) else []
@@ -280,7 +280,7 @@ def export_feedback(lab: str, out: str, grading: str | None = None, db: str | No
     """One zip of feedback per graded student and a grades CSV; return {students, archives,
     no_feedback, grades_csv}."""
     from nbgrader.api import Gradebook, MissingEntry
-    from labkit.grading.pipeline import find_course_root
+    from labkit.common import find_course_root
     from labkit.grading.report import find_gradebook
     if grading is None:
         grading = os.path.join(find_course_root(course), "grading", lab)

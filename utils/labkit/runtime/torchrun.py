@@ -32,7 +32,7 @@ def add_arguments(parser):
 
 
 def main(argv=None):
-    from labkit.tools.cli import run_module
+    from labkit.common import run_module
     return run_module(sys.modules[__name__], argv, prog="labkit torchrun",
                       description=__doc__)
 

@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.tools.cli import run_module
+    from labkit.common import run_module
     return run_module(sys.modules[__name__], argv)
 
 

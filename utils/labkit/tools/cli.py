@@ -19,6 +19,8 @@ import importlib.machinery
 import importlib.util
 import sys
 
+from labkit.common import run_module  # noqa: F401 (`labkit NAME` and `python -m` share it)
+
 # name -> (module, one-line help). Keep it a plain table: other subcommands are added here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build": ("labkit.tools.build", "execute every course notebook and lab solution headless"),
@@ -76,17 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     command = getattr(module, attribute) if attribute else module
     return run_module(command, rest, prog=f"labkit {name}", description=SUBCOMMANDS[name][1])
-
-
-def run_module(module, argv=None, prog=None, description=None) -> int:
-    """Parse `argv` with the module's `add_arguments` and call its `run`: what both `labkit NAME`
-    and `python -m labkit.tools.NAME` do."""
-    parser = argparse.ArgumentParser(
-        prog=prog or f"python -m {getattr(module.__spec__, 'name', None) or module.__name__}",
-        description=description or (module.__doc__ or "").split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else argv)) or 0)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import shutil
 import subprocess
 import sys
 
-from labkit.tools.release import HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN
+from labkit.common import HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN
 
 COPIED = ["course", "labs"]
 # pyproject.toml sections the student copy leaves out (instructor and CI material)
@@ -124,7 +124,7 @@ def add_arguments(parser) -> None:
 
 def build(out: str, course: str | None = None) -> list[str]:
     """Build the student distribution into `out`; return its files (relative paths)."""
-    from labkit.grading.pipeline import find_course_root
+    from labkit.common import find_course_root
     course = find_course_root(course)
     out = os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out):

@@ -318,5 +318,5 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.tools.cli import run_module
+    from labkit.common import run_module
     sys.exit(run_module(sys.modules[__name__]))

@@ -18,11 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Spelled in pieces so that this file itself never matches a grep for the markers.
-_B, _E = "BEGIN ", "END "
-SOLUTION_BEGIN, SOLUTION_END = _B + "SOLUTION", _E + "SOLUTION"
-HIDDEN_BEGIN, HIDDEN_END = _B + "HIDDEN TESTS", _E + "HIDDEN TESTS"
-MARKERS = (SOLUTION_BEGIN, SOLUTION_END, HIDDEN_BEGIN, HIDDEN_END, _B + "MARK SCHEME")
+from labkit.common import (HIDDEN_BEGIN, HIDDEN_END, MARKERS, SOLUTION_BEGIN,  # noqa: F401
+                           SOLUTION_END)
 
 # A secret line shorter than this is too generic to call a leak (`return total`, `dist.barrier()`).
 MIN_LEAK_CHARS = 24
@@ -237,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.tools.cli import run_module
+    from labkit.common import run_module
     return run_module(sys.modules[__name__], argv)
 
 
