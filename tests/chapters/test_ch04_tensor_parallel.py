@@ -330,3 +330,31 @@ def test_regather_in_backward_costs_two_all_gathers_and_needs_sequence_paralleli
         tpk.tp_layer_bytes(8, 96, 48, 3, regather_in_backward=True)
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         tpk.activation_elements(8, 96, 48, 60, 120, 12, tp=3, regather_in_backward=True)
+
+
+def _sequence_reduce_scatter(shape, which):
+    """Chapter 4's reduce-scatter along T (chapter 3's all-to-all + sum), or gloo's own."""
+    from labkit.memory.zero import reduce_scatter
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(rank))        # [T, B, H]
+    if which == "all_to_all":
+        return reduce_scatter(x.view(-1), torch.empty_like(x).view(-1)).view(shape[0] // tp, *shape[1:])
+    out = torch.empty(shape[0] // tp, *shape[1:])
+    dist.reduce_scatter_single(out, x)
+    return out
+
+
+def test_the_chapters_reduce_scatter_sends_a_ring_share_and_gloos_sends_an_all_reduce():
+    from labkit.collectives import GLOO_FRAMING_BYTES
+    world = labkit.world(3, backend="gloo", teaching=False, timeout=60)
+    shape, n = (96, 8, 48), 96 * 8 * 48 * 4                                      # [T, B, H] float32
+    sent, values = {}, {}
+    for which in ("all_to_all", "gloo"):
+        with world.traffic() as traffic:
+            values[which] = world.run(_sequence_reduce_scatter, shape, which)
+        sent[which] = traffic.sent
+    for r in range(3):
+        torch.testing.assert_close(values["all_to_all"][r], values["gloo"][r])
+        assert 0 <= sent["all_to_all"][r] - tpk.all_gather_bytes(n, 3) <= 2 * 2 * GLOO_FRAMING_BYTES
+        assert 0 <= sent["gloo"][r] - tpk.all_reduce_bytes(n, 3) <= 2 * 8 * GLOO_FRAMING_BYTES
+    world.close()
