@@ -128,7 +128,7 @@ def test_actions_parse_print_and_refuse_nonsense():
     assert pipeline.parse(text) == schedule
     with pytest.raises(ValueError, match="multiple of p"):
         pipeline.interleaved_1f1b(3, 4, 2)
-    with pytest.raises(ValueError, match="lab 5, task 1"):
+    with pytest.raises(ValueError, match="plain 1F1B"):
         pipeline.interleaved_1f1b(3, 6, 1)
 
 
