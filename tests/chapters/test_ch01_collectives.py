@@ -330,3 +330,113 @@ def test_gloo_broadcast_is_the_binomial_tree_on_the_wire(P):
     assert traffic.peers(0, at_least=4 * n_floats) == [q for q in (1, 2, 4) if q < P]
     chain = collectives.broadcast_bytes_sent(4 * n_floats, P, tree="chain")
     assert any(abs(traffic.sent[r] - chain[r]) > 4 * n_floats // 2 for r in range(P))
+
+
+# ---- chapter 1's own code and claims, on real ranks -------------------------------------------
+
+CHAPTER = lab_notebooks.ROOT / "course" / "01_collectives.ipynb"
+
+
+def _chapter_function(name):
+    """A function defined in a code cell of chapter 1, compiled here (pickled by value)."""
+    import json
+    import torch
+    import torch.distributed as dist
+    for cell in json.loads(CHAPTER.read_text())["cells"]:
+        lines = "".join(cell["source"]).splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"def {name}(")]
+        if cell["cell_type"] == "code" and starts:
+            body = [lines[starts[0]]]
+            for line in lines[starts[0] + 1:]:
+                if line and not line[0].isspace():
+                    break
+                body.append(line)
+            namespace = {"__name__": __name__, "torch": torch, "dist": dist}
+            exec(compile("\n".join(body), str(CHAPTER), "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"chapter 1 defines no function {name!r}")
+
+
+def _rabenseifner_run(fn, n):
+    import torch
+    import torch.distributed as dist
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    reference = x.clone()
+    dist.all_reduce(reference)
+    out = fn(x)
+    return out is x, (x - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("P", [2, 8])
+def test_the_chapters_rabenseifner_is_an_all_reduce_with_the_rings_bytes(P):
+    """Section 7's cell shows P = 4; the same code at P = 2 and 8: the values of dist.all_reduce,
+    in place, 2(P-1)/P n bytes per rank in 2 log2 P messages, to the log2 P partners r XOR 2^k."""
+    fn = _chapter_function("rabenseifner_all_reduce")
+    world = labkit.world(P, backend="gloo", teaching=False)
+    for in_place, error in world.run(_rabenseifner_run, fn, 8 * P):
+        assert in_place and error <= 1e-12
+    n = 1 << 16                                                   # float64: 512 KiB
+    with world.traffic() as traffic:
+        world.run(_rabenseifner_run, fn, n)
+    # the run also does one dist.all_reduce (the reference): gloo's ring, 2(P-1)/P n more
+    k = int(math.log2(P))
+    predicted = collectives.ring_bytes_sent("all_reduce", 8 * n, P)
+    for r in range(P):
+        framing = (2 * k + 4 * (P - 1)) * collectives.GLOO_FRAMING_BYTES
+        assert abs(traffic.sent[r] - 2 * predicted) <= framing, (r, traffic.sent[r], 2 * predicted)
+    with world.traffic() as traffic:
+        world.run(lambda n: fn(__import__("torch").ones(n, dtype=__import__("torch").float64)), n)
+    for r in range(P):
+        assert abs(traffic.sent[r] - predicted) <= 2 * k * collectives.GLOO_FRAMING_BYTES
+        assert traffic.peers(r, at_least=8 * n // (2 * P)) == sorted(r ^ (1 << j) for j in range(k))
+
+
+def test_the_chapters_rabenseifner_refuses_three_ranks_naming_the_rank():
+    fn = _chapter_function("rabenseifner_all_reduce")
+    world = labkit.world(3, backend="gloo", teaching=False)
+    with pytest.raises(labkit.RankError, match="rank [012]: this version needs P a power of two.*got P = 3"):
+        world.call(lambda: fn(__import__("torch").ones(6)), timeout=20)
+
+
+def _overwrite_after_isend(n, receiver_late):
+    import time
+    import torch
+    import torch.distributed as dist
+    x = torch.ones(n)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        request = dist.isend(x, dst=1)
+        x.fill_(-1.0)
+        request.wait()
+        return None
+    time.sleep(receiver_late)
+    dist.recv(x, src=0)
+    return int((x == -1).sum())
+
+
+def test_gloo_sends_from_the_buffer_when_the_receiver_is_ready_not_at_isend():
+    """Chapter 1, rule 4: gloo copies nothing at isend; with the receiver a second late, the data
+    leaves x after the overwrite, so every entry arrives overwritten (run after run)."""
+    world = labkit.world(2, backend="gloo", teaching=False)
+    n = 1 << 20
+    for _ in range(2):
+        assert world.run(_overwrite_after_isend, n, 1.0)[1] == n
+
+
+def _two_groups_of_the_same_ranks():
+    import torch
+    import torch.distributed as dist
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(4), group=group_a if dist.get_rank() == 0 else group_b)
+
+
+@pytest.mark.timeout(90)
+def test_two_groups_of_the_same_ranks_hang_even_in_teaching_mode():
+    """Chapter 1, rule 3: teaching mode (DETAIL) compares calls within a group, so a call on
+    another group with the same members is not a mismatch error but a hang; the diagnosis shows
+    both ranks waiting in the same call on ranks [0, 1]."""
+    world = labkit.world(2, backend="gloo", teaching=True)
+    with pytest.raises(labkit.CallTimeout) as hang:
+        world.call(_two_groups_of_the_same_ranks, timeout=3)
+    waiting = [line for line in str(hang.value).splitlines() if "waiting in all_reduce" in line]
+    assert len(waiting) == 2 and all("on ranks [0, 1]" in line for line in waiting), str(hang.value)
