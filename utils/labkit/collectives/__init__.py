@@ -88,7 +88,7 @@ def rabenseifner_all_reduce_time(n_bytes, world_size, alpha, beta):
 
     Reduce-scatter by recursive halving (log2 P steps sending n/2, n/4, ..., n/P bytes), then
     all-gather by recursive doubling (the same steps backwards): the ring's bytes with log2 P
-    latencies per half (Thakur, Rabenseifner and Gropp 2005, section 4.4). Other P raise: their
+    latencies per half (Thakur, Rabenseifner and Gropp 2005, MPICH). Other P raise: their
     extra fold-in steps are not modelled here.
     """
     _check(n_bytes, world_size)
