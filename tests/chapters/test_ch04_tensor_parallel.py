@@ -358,3 +358,43 @@ def test_the_chapters_reduce_scatter_sends_a_ring_share_and_gloos_sends_an_all_r
         assert 0 <= sent["all_to_all"][r] - tpk.all_gather_bytes(n, 3) <= 2 * 2 * GLOO_FRAMING_BYTES
         assert 0 <= sent["gloo"][r] - tpk.all_reduce_bytes(n, 3) <= 2 * 8 * GLOO_FRAMING_BYTES
     world.close()
+
+
+def test_gqa_layout_splits_replicates_or_refuses_like_megatron_and_vllm():
+    from labkit.tensor_parallel import scaling
+    assert scaling.gqa_layout(32, 8, 4) == {"q_heads": 8, "kv_heads": 2, "kv_replicas": 1}
+    assert scaling.gqa_layout(32, 8, 16) == {"q_heads": 2, "kv_heads": 1, "kv_replicas": 2}
+    with pytest.raises(ValueError, match=r"Megatron-LM needs tp \| kv_heads"):
+        scaling.gqa_layout(32, 8, 16, replicate=False)
+    with pytest.raises(ValueError, match="neither divides the other"):
+        scaling.gqa_layout(12, 2, 3)
+    with pytest.raises(ValueError, match=r"heads \(12\) is not divisible by tp \(8\)"):
+        scaling.gqa_layout(12, 4, 8)
+
+
+def test_block_flops_is_what_torchs_flop_counter_counts():
+    from torch.utils.flop_counter import FlopCounterMode
+    from labkit.tensor_parallel import scaling
+    block = tpk.make_block(0, hidden=20, heads=4, head_dim=3, ffn=36)
+    x = torch.randn(2, 6, 20, dtype=torch.float64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        block(x).sum().backward()
+    assert counter.get_total_flops() == scaling.block_flops(2, 6, 20, 12, 36)
+    assert scaling.block_flops(2, 6, 20, 12, 36, tp=4) * 4 == scaling.block_flops(2, 6, 20, 12, 36)
+
+
+def test_crossover_is_where_bytes_take_as_long_as_the_matmuls():
+    from labkit.tensor_parallel import scaling
+    H, R, bw = 4096, 1e15, 50e9
+    t = scaling.crossover_tp(H, R, bw, itemsize=2)
+    compute = 6 * 1024 * (4 * H * H + 2 * H * 4 * H) / t / R
+    comm = tpk.tp_layer_bytes(1, 1024, H, t, itemsize=2) / bw
+    assert math.isclose(compute, comm, rel_tol=1e-9)
+
+
+def test_padded_vocab_is_megatrons():
+    from labkit.tensor_parallel import scaling
+    assert scaling.padded_vocab(50257, 1) == 50304 and scaling.padded_vocab(50257, 8) == 51200
+    assert scaling.padded_vocab(128256, 8) == 129024 and scaling.padded_vocab(1024, 8) == 1024
+    with pytest.raises(ValueError, match="must be >= 1"):
+        scaling.padded_vocab(50257, 0)
