@@ -381,28 +381,37 @@ def check_simulate_matches_daly(world, simulate, traces=300, timeout=120, case=N
     return mean, expected
 
 
-def async_interval_expected(stall: float, write: float, mtbf: float) -> float:
-    """The model's first-order tau*: a cycle is max(tau, write) + stall of wall time (training
-    waits for the write in flight before the next copy) and computes tau, so
-    lost(tau) ~ stall / tau + (tau / 2 + write + restart) / M for tau >= write (least at
-    sqrt(2 stall M)) and falls with tau below write: tau* = max(write, sqrt(2 stall M))."""
-    return max(write, math.sqrt(2 * stall * mtbf))
-
-
-def check_async_interval(async_interval, draws=8, case=None):
-    """Task 4: tau* = max(write, sqrt(2 * stall * M)), over draws in both regimes: half with the
-    write shorter than sqrt(2 stall M) (the write only adds a constant write / M to the waste),
-    half with it longer (training waits for the write at every checkpoint: a shorter interval
-    buys nothing). tests/chapters checks this tau* against simulate_async over failure traces."""
-    case = case or base.Case("lab 8, task 4: async_interval")
+def interval_cases(case, draws: int) -> list:
+    """check_async_interval's cases [stall, write, mtbf], half with the write shorter than
+    sqrt(2 stall M), half longer, drawn from `case`."""
+    rows = []
     for i in range(draws):
         stall = float(case.integer(1, 60))
         mtbf = float(case.integer(600, 50_000))
         young = math.sqrt(2 * stall * mtbf)
         write = float(case.integer(0, int(0.9 * young))) if i % 2 == 0 else \
             float(case.integer(int(young) + 1, int(3 * young) + 2))
+        rows.append([stall, write, mtbf])
+    return rows
+
+
+def check_async_interval(async_interval, draws=8, case=None):
+    """Task 4: the interval the lab's model implies, over draws in both regimes: half with the
+    write shorter than sqrt(2 stall M), half with it longer (training waits for the write at
+    every checkpoint). The expected values come from the grader's reference
+    (`labkit.grading.references.checkpoint`), or in the student copy from the visible cases that
+    `labkit release` wrote; tests/chapters checks that reference against simulate_async."""
+    reference = released.reference("checkpoint")
+    if reference is not None:
+        case = case or base.Case("lab 8, task 4: async_interval")
+        rows = interval_cases(case, draws)
+        expected_values = [reference.async_interval(*row) for row in rows]
+    else:
+        table = released.load("lab08_checkpoints")["async_interval"]
+        case = base.Case("lab 8, task 4: async_interval", seed=table["seed"])
+        rows, expected_values = table["rows"], table["expected"]
+    for (stall, write, mtbf), expected in zip(rows, expected_values):
         got = async_interval(stall, write, mtbf)
-        expected = async_interval_expected(stall, write, mtbf)
         if not isinstance(got, (int, float)) or not math.isclose(got, expected, rel_tol=1e-6):
             raise AssertionError(
                 f"async_interval(stall={stall}, write={write}, mtbf={mtbf}) = {got!r}, expected "

@@ -8,6 +8,8 @@ values from `labs/lab08_checkpoints/expected.json`.
 """
 from __future__ import annotations
 
+import math
+
 from labkit import checks as base
 
 LAB = "lab08_checkpoints"
@@ -72,7 +74,20 @@ def simulate_cases(case, cases: int) -> tuple[list, list]:
     return rows, expected
 
 
+def async_interval(stall: float, write: float, mtbf: float) -> float:
+    """Lab 8, task 4's answer in the lab's model: a cycle is max(tau, write) + stall of wall time
+    (training waits for the write in flight before the next copy) and computes tau, so
+    lost(tau) ~ stall / tau + (tau / 2 + write + restart) / M for tau >= write (least at
+    sqrt(2 stall M)) and falls with tau below write: tau* = max(write, sqrt(2 stall M))."""
+    return max(write, math.sqrt(2 * stall * mtbf))
+
+
 def released() -> dict:
+    from labkit.checkpoint.checks_async import interval_cases
     case = base.Case("lab 8, task 4: simulate_async", seed=VISIBLE_SEED)
     rows, expected = simulate_cases(case, VISIBLE_CASES)
-    return {"simulate_async": {"seed": VISIBLE_SEED, "rows": rows, "expected": expected}}
+    interval = base.Case("lab 8, task 4: async_interval", seed=VISIBLE_SEED)
+    interval_rows = interval_cases(interval, 8)
+    return {"simulate_async": {"seed": VISIBLE_SEED, "rows": rows, "expected": expected},
+            "async_interval": {"seed": VISIBLE_SEED, "rows": interval_rows,
+                               "expected": [async_interval(*row) for row in interval_rows]}}
