@@ -42,6 +42,8 @@ import tempfile
 import threading
 import time
 
+from labkit.common import find_course_root  # noqa: F401 (labkit.grading.pipeline.find_course_root)
+
 _STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]{0,99}$")
 MAX_NOTEBOOK_BYTES = 20 << 20
 
@@ -92,18 +94,6 @@ class GradeReport:
     def not_graded(self) -> list:
         """The results of submissions that could not be graded at all (`labkit grade` exits 1)."""
         return [r for r in self.results if not r.graded]
-
-
-def find_course_root(start: str | None = None) -> str:
-    here = os.path.abspath(start or os.getcwd())
-    while True:
-        if os.path.isdir(os.path.join(here, "solutions")):
-            return here
-        parent = os.path.dirname(here)
-        if parent == here:
-            raise FileNotFoundError("no course repository here (a folder with solutions/): run "
-                                    "`labkit grade` from the course repository or pass --course")
-        here = parent
 
 
 def parse_shard(text: str) -> tuple[int, int]:
