@@ -398,3 +398,35 @@ def test_padded_vocab_is_megatrons():
     assert scaling.padded_vocab(128256, 8) == 129024 and scaling.padded_vocab(1024, 8) == 1024
     with pytest.raises(ValueError, match="must be >= 1"):
         scaling.padded_vocab(50257, 0)
+
+
+def _course_vocab_loss_peak(n, vocab):
+    """Chapter 4's forward-only vocabulary-parallel loss (section 5), its peak under peak_bytes."""
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    start, end = rank * vocab // tp, (rank + 1) * vocab // tp
+    g = torch.Generator().manual_seed(rank)
+    targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+    h, E_local = torch.randn(n, 16, generator=g), torch.randn(end - start, 16, generator=g)
+
+    def loss():
+        local_logits = h @ E_local.T                                     # [N, V/t]
+        m = local_logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        shifted = local_logits - m.unsqueeze(-1)
+        sum_exp = shifted.exp().sum(dim=-1)
+        dist.all_reduce(sum_exp)
+        mine = (targets >= start) & (targets < end)
+        target_logit = torch.zeros_like(sum_exp)
+        rows = mine.nonzero().squeeze(-1)
+        target_logit[rows] = shifted[rows, targets[rows] - start]
+        dist.all_reduce(target_logit)
+        return (sum_exp.log() - target_logit).mean()
+
+    return end - start, measure.peak_bytes(loss)[0]
+
+
+@pytest.mark.parametrize("vocab", [3072, 1000])                 # 1000: uneven shards over 3 ranks
+def test_vocab_parallel_loss_peak_is_exactly_three_logit_shards_and_two_vectors(world3, vocab):
+    n = 96
+    for width, peak in world3.run(_course_vocab_loss_peak, n, vocab):
+        assert peak == 3 * n * width * 4 + 8 * n, (width, peak)
