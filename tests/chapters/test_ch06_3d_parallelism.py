@@ -414,3 +414,21 @@ def test_expected_bytes_count_what_each_relation_must_carry():
     activation = run["shares"][0]["tokens"].shape[-2] * run["shares"][0]["tokens"].shape[-1] * 24 * 8
     assert expected["pp"][0] == 2 * (2 * 4 * activation) + 2 * 2 * 24 * 24 * 8   # + the tied all-reduce
     assert expected["tp"] == (0.0, 0.0) and expected["none"] == (0.0, 0.0)
+
+
+def test_traffic_bounds_are_the_chapters_three_percent():
+    run = train_checks.train_case(checks.Case("bounds", seed=1), (2, 2, 1), steps=1, m=4)
+    expected = train_checks.expected_bytes(run)
+    exact = {k: payload for k, (payload, _) in expected.items()}
+    assert train_checks.traffic_problems(exact, expected, 4, 0) == []
+    framed = {k: payload * 1.08 for k, (payload, _) in expected.items()}        # a correct step
+    assert train_checks.traffic_problems(framed, expected, 4, 0) == []
+    for relation in ("pp", "dp"):
+        short = dict(exact, **{relation: 0.9 * exact[relation]})    # passed at LOW = 0.5 before
+        (problem,) = train_checks.traffic_problems(short, expected, 4, 0)
+        assert f"same {relation} group" in problem and "at least" in problem
+    payload, allowance = expected["dp"]
+    over = dict(exact, dp=payload * 1.03 + allowance + 4 * train_checks.STORE + 1)
+    (problem,) = train_checks.traffic_problems(over, expected, 4, 0)
+    assert "at most" in problem
+    assert train_checks.traffic_problems(exact, expected, 4, 65 * 1024)[0].startswith("a rank sent")

@@ -10,15 +10,17 @@ its share of the result: the tp shard (`model.local_shard`) or the whole replica
 
 The bytes between every pair of ranks are counted outside the ranks and summed by how the two
 ranks relate: same tp group, same pp group, same dp group, or none (nothing may flow there).
-Each sum must carry at least half of what the algorithm must move (chapter 4's tensor-parallel
+Each sum must carry at least 97% of what the algorithm must move (chapter 4's tensor-parallel
 all-reduces, chapter 5's activations and gradients, ZeRO-1's reduce-scatter and all-gather of the
 stage's local parameters, the tied embedding's all-reduce) and not much more: the allowance is the
 one-time scatter of the tp shards when the stage is split, gloo's framing (~0.6 KB per all-reduce
-of two ranks, measured), 10%, and 16 KB per rank for creating process groups, which talks to the
-rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank),
-plus a quarter of all the payloads: the operating system's counters, read on a loaded machine,
-have been seen to miss or misfile the bytes of one connection in a call. A dodge (no pipeline,
-no tensor parallelism, whole gradients exchanged) is off by far more than that.
+of two ranks, measured), 3%, and 16 KB per rank for creating process groups, which talks to the
+rendezvous store (under `labkit grade` the store lives on rank 0, so those bytes go to a rank).
+The 3% is the chapter's own tolerance: a correct step carries 100.5-108% of each payload (its
+framing; measured on the lab's meshes, the same to four digits over repeated runs). Until the
+counter kept the sockets of a rank's forked children and of connections closed inside a call
+(`runtime/traffic.py`), a relation could come up half short, and this checker allowed that.
+A dodge (no pipeline, no tensor parallelism, whole gradients exchanged) is off by far more.
 ZeRO-1 moves the bytes plain data parallelism moves (ZeRO paper, section 7): traffic cannot tell
 them apart and does not try.
 """
@@ -35,11 +37,8 @@ RTOL, ATOL = 1e-6, 1e-8        # float64: a correct step agrees to ~1e-10 after 
 ITEM = 8                       # float64 on the wire
 FRAMING = 1024                 # bytes allowed per collective or message, both ways together
 STORE = 16 * 1024              # bytes per rank allowed for talking to the rendezvous store
-LOW = 0.5                      # a relation must carry at least this share of its payload, and
-SPILL = 0.25                   # any relation may carry this share of all payloads more: the
-                               # counters, read on a loaded machine, have been seen to miss or
-                               # misfile one connection's bytes in a call (never more); a dodge
-                               # sends nothing where a 3D step must, or far more elsewhere
+LOW = 0.97                     # a relation must carry at least this share of its payload,
+HIGH = 1.03                    # and at most this share plus its allowance (the chapter's 3%)
 
 
 def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="adamw") -> dict:
@@ -194,6 +193,28 @@ def expected_bytes(run) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def traffic_problems(measured: dict, expected: dict, size: int, outside: float) -> list:
+    """What is wrong with the bytes `measured` by relation, against `expected_bytes` (empty when
+    nothing is): a relation below LOW x its payload, or above HIGH x payload + its allowance + the
+    store's STORE per rank; more than 64 KB from a rank to something other than a rank."""
+    problems = []
+    for relation, (payload, allowance) in expected.items():
+        high = payload * HIGH + allowance + STORE * size
+        got = measured[relation]
+        if got < LOW * payload:
+            problems.append(f"ranks in the same {relation} group sent {got} bytes in all, at least "
+                            f"{LOW * payload:.0f} expected ({payload:.0f} of data)")
+        elif got > high:
+            what = "ranks that share no group" if relation == "none" else \
+                f"ranks in the same {relation} group"
+            problems.append(f"{what} sent {got} bytes in all, at most {high:.0f} expected "
+                            f"({payload:.0f} of data)")
+    if outside > 64 * 1024:
+        problems.append(f"a rank sent {outside} bytes to something other than a rank (group "
+                        "creation talks to the rendezvous store, a few KB)")
+    return problems
+
+
 def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=True, timeout=180,
                            case=None):
     """The bytes of one run of fn between every pair of ranks, counted outside the ranks, by
@@ -209,24 +230,7 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
         for b in range(world.size):
             if a != b:
                 measured[_relation(a, b, run["dims"])] += traffic.matrix[a][b]
-    problems = []
-    expected = expected_bytes(run)
-    spill = SPILL * sum(payload for payload, _ in expected.values())
-    for relation, (payload, allowance) in expected.items():
-        high = payload * 1.1 + allowance + STORE * world.size + spill
-        got = measured[relation]
-        if got < LOW * payload:
-            problems.append(f"ranks in the same {relation} group sent {got} bytes in all, at least "
-                            f"{LOW * payload:.0f} expected ({payload:.0f} of data)")
-        elif got > high:
-            what = "ranks that share no group" if relation == "none" else \
-                f"ranks in the same {relation} group"
-            problems.append(f"{what} sent {got} bytes in all, at most {high:.0f} expected "
-                            f"({payload:.0f} of data)")
-    outside = max(traffic.outside)
-    if outside > 64 * 1024 + spill:
-        problems.append(f"a rank sent {outside} bytes to something other than a rank (group "
-                        "creation talks to the rendezvous store, a few KB)")
+    problems = traffic_problems(measured, expected_bytes(run), world.size, max(traffic.outside))
     if problems:
         raise AssertionError(f"train_3d at dims {run['dims']}: the traffic between ranks is not "
                              f"what a 3D step sends [{case}]: " + "; ".join(problems)

@@ -50,7 +50,7 @@ def visible_cases() -> list:
     rows = figures.megatron_rows()
     model_36 = dataclasses.asdict(rows[1]["model"])
     a100_8 = dataclasses.asdict(figures.DGX_A100.with_nodes(8))
-    return [(model_36, a100_8, 512, None), (model_36, a100_8, 512, 12e9),
+    return [(model_36, a100_8, 512, None), (model_36, a100_8, 512, 5e9),
             (dataclasses.asdict(rows[3]["model"]), dataclasses.asdict(figures.DGX_A100.with_nodes(1)),
              512, 20e9)]
 
