@@ -26,6 +26,16 @@ def chatty(lines):
     return dist.get_rank()
 
 
+def floods(lines, width, unbroken):
+    """`lines` lines of `width` characters, then `unbroken` characters with no newline."""
+    import sys
+    for i in range(lines):
+        print(f"{i:08d}" + "x" * (width - 8))
+    sys.stdout.write("y" * unbroken)
+    sys.stdout.flush()
+    return lines
+
+
 def raises_on(bad_rank):
     if dist.get_rank() == bad_rank:
         raise ValueError(f"rank {bad_rank} fails on purpose")

@@ -51,6 +51,24 @@ def test_output_is_labelled_in_order_and_drained_before_return(world2, capfd):
     assert [line for _, line in world2.last_output[0]][:2] == ["line 0", "line 1"]
 
 
+def test_what_a_call_keeps_of_a_ranks_output_is_bounded(world2, monkeypatch, capfd):
+    """A rank that prints without end cannot fill the caller's memory (the grader's neither):
+    at most KEPT_BYTES of a call's lines are kept, a last line says how many more there were,
+    and a line without a newline is cut every LINE_BYTES."""
+    from labkit.runtime import output
+    monkeypatch.setattr(output, "KEPT_BYTES", 64 << 10)
+    monkeypatch.setattr(output, "LINE_BYTES", 16 << 10)
+    world2.run(rc.floods, 2000, 100, 40_000)
+    capfd.readouterr()
+    kept = world2.last_output[0]
+    assert sum(len(text) for _, text in kept[:-1]) <= 64 << 10
+    assert kept[-1][1].startswith("[labkit: ") and "more lines of rank 0 not kept" in kept[-1][1]
+    dropped = int(kept[-1][1].split()[1])
+    assert len(kept) - 1 + dropped == 2000 + 3          # 40,000 unbroken: 2 cuts + the rest
+    assert world2.run(rc.summed, 0) == [1.0, 1.0]
+    assert all(not text.startswith("[labkit:") for _, text in world2.last_output[0])
+
+
 def test_a_rank_error_names_the_rank_and_shows_its_source_line(world2):
     started = time.monotonic()
     with pytest.raises(labkit.RankError) as caught:

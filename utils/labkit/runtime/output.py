@@ -11,6 +11,8 @@ import sys
 
 MARKER_START = b"\x1elabkit-done:"
 MARKER_END = b"\x1e\n"
+KEPT_BYTES = 8 << 20        # text kept per rank between two `take_lines` (a call's output)
+LINE_BYTES = 64 << 10       # a line longer than this is cut into pieces of this size
 
 
 class RankOutput:
@@ -28,6 +30,8 @@ class RankOutput:
         self.markers = {out_fd: set(), err_fd: set()}
         self.closed = set()
         self.lines = []          # (stream, text) shown since the last `take_lines`
+        self.kept = 0            # bytes of text in self.lines: at most KEPT_BYTES
+        self.dropped = 0         # lines not kept since the last `take_lines` (too much output)
         self.echo = True
         self.sink = None         # a live per-rank view (labkit.runtime.display), else lines are printed
 
@@ -84,6 +88,9 @@ class RankOutput:
                     self._emit(fd, line)
                 del buffer[:text_end]
             if start < 0:
+                while len(buffer) > LINE_BYTES:          # no newline for a long while: cut it
+                    self._emit(fd, bytes(buffer[:LINE_BYTES]))
+                    del buffer[:LINE_BYTES]
                 return
             end = buffer.find(MARKER_END)
             if end < 0:
@@ -93,9 +100,17 @@ class RankOutput:
             del buffer[:end + len(MARKER_END)]
 
     def _emit(self, fd, raw):
+        if len(raw) > LINE_BYTES:                        # one long line: pieces of LINE_BYTES
+            for start in range(0, len(raw), LINE_BYTES):
+                self._emit(fd, raw[start:start + LINE_BYTES])
+            return
         text = raw.decode(errors="replace").rstrip("\r")
         stream = self.kind[fd]
-        self.lines.append((stream, text))
+        if self.kept + len(text) <= KEPT_BYTES:          # what a caller reads back is bounded
+            self.lines.append((stream, text))
+            self.kept += len(text)
+        else:
+            self.dropped += 1
         if not self.echo:
             return
         if self.sink is not None:
@@ -105,7 +120,13 @@ class RankOutput:
             print(self.label + text, file=target, flush=True)
 
     def take_lines(self):
+        """The lines since the last call, at most KEPT_BYTES of them; a last line says how many
+        more there were (they were shown, when echoing, but not kept)."""
         lines, self.lines = self.lines, []
+        if self.dropped:
+            lines.append(("err", f"[labkit: {self.dropped} more lines of rank {self.rank} not "
+                                 f"kept: over {KEPT_BYTES >> 20} MiB of output in one call]"))
+        self.kept = self.dropped = 0
         return lines
 
     def close(self):
