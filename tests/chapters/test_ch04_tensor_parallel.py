@@ -344,20 +344,19 @@ def _sequence_reduce_scatter(shape, which):
     return out
 
 
-def test_the_chapters_reduce_scatter_sends_a_ring_share_and_gloos_sends_an_all_reduce():
-    from labkit.collectives import GLOO_FRAMING_BYTES
-    world = labkit.world(3, backend="gloo", teaching=False, timeout=60)
+def test_the_chapters_reduce_scatter_sends_a_ring_share_and_gloos_sends_an_all_reduce(world3):
+    # world3 keeps teaching mode on (its checks add a few small messages): 2% covers them; the
+    # two reduce-scatters differ by 2x
     shape, n = (96, 8, 48), 96 * 8 * 48 * 4                                      # [T, B, H] float32
     sent, values = {}, {}
     for which in ("all_to_all", "gloo"):
-        with world.traffic() as traffic:
-            values[which] = world.run(_sequence_reduce_scatter, shape, which)
+        with world3.traffic() as traffic:
+            values[which] = world3.run(_sequence_reduce_scatter, shape, which)
         sent[which] = traffic.sent
     for r in range(3):
         torch.testing.assert_close(values["all_to_all"][r], values["gloo"][r])
-        assert 0 <= sent["all_to_all"][r] - tpk.all_gather_bytes(n, 3) <= 2 * 2 * GLOO_FRAMING_BYTES
-        assert 0 <= sent["gloo"][r] - tpk.all_reduce_bytes(n, 3) <= 2 * 8 * GLOO_FRAMING_BYTES
-    world.close()
+        assert math.isclose(sent["all_to_all"][r], tpk.all_gather_bytes(n, 3), rel_tol=0.02), sent
+        assert math.isclose(sent["gloo"][r], tpk.all_reduce_bytes(n, 3), rel_tol=0.02), sent
 
 
 def test_gqa_layout_splits_replicates_or_refuses_like_megatron_and_vllm():
