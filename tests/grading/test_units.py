@@ -1,4 +1,6 @@
 """Fast checks of the grader's pieces (no kernel, no sandbox)."""
+import os
+
 import pytest
 
 from labkit.grading import check
@@ -72,3 +74,33 @@ def test_normalise_metadata_restores_flags():
     assert fixed.cells[0].metadata.nbgrader["points"] == 2
     assert fixed.cells[0].metadata.nbgrader["grade"] is True
     assert "nbgrader" not in fixed.cells[1].metadata
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups are made by root")
+def test_a_grading_worker_joins_a_memory_cgroup_of_its_own(tmp_path):
+    """Issue 33: the root worker that reads a submission's replies runs in a memory cgroup of
+    its own (a child process here, as the pipeline's workers are)."""
+    import multiprocessing
+    from labkit.grading import sandbox
+    if "memory" not in sandbox.cgroup_dirs():
+        pytest.skip("no cgroup v1 memory controller on this machine")
+    run_id = "unit-" + os.urandom(4).hex()
+
+    def worker(queue):
+        path = sandbox.join_worker_cgroup(run_id, 3, 1 << 30)
+        with open("/proc/self/cgroup") as f:
+            queue.put((path, f.read()))
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=worker, args=(queue,))
+    child.start()
+    path, membership = queue.get(timeout=30)
+    child.join(30)
+    try:
+        assert path.endswith(f"labkit-grading/{run_id}/worker-3")
+        assert f"/labkit-grading/{run_id}/worker-3" in membership
+        with open(os.path.join(path, "memory.limit_in_bytes")) as f:
+            assert int(f.read()) == 1 << 30
+    finally:
+        sandbox._empty_and_remove(path)
+        os.rmdir(os.path.dirname(path))
+    assert not os.path.exists(path)

@@ -534,6 +534,28 @@ def _owner(pid):
         return None
 
 
+WORKER_MEMORY_BYTES = 6 << 30      # a grading worker: nbgrader, the trusted test cells and the
+                                   # reference ranks it starts on the host (not the submission's)
+
+
+def join_worker_cgroup(run_id: str, slot: int, memory_bytes: int = WORKER_MEMORY_BYTES):
+    """Move this process (a grading worker, root) into a memory cgroup of its own under the run's
+    (`labkit-grading/<run_id>/worker-<slot>`): what it reads from a submission and the references
+    it runs are bounded, so one submission cannot push its neighbours' workers into the OOM
+    killer. The children it starts inherit it until they join their own (the sandbox's kernel
+    and ranks do). Returns the cgroup's folder, or None without a memory controller. The run's
+    cleanup removes it with the others (pipeline._remove_cgroups)."""
+    base = cgroup_dirs().get("memory")
+    if base is None or os.geteuid() != 0:
+        return None
+    path = os.path.join(base, "labkit-grading", run_id, f"worker-{slot}")
+    os.makedirs(path, exist_ok=True)
+    _write(os.path.join(path, "memory.limit_in_bytes"), int(memory_bytes))
+    _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
+    _write(os.path.join(path, "cgroup.procs"), os.getpid())
+    return path
+
+
 def become_subreaper() -> None:
     """This process adopts every orphan below it (PR_SET_CHILD_SUBREAPER), so that without the
     namespace sandbox a daemon a submission starts (setsid, double fork) becomes its child when

@@ -357,11 +357,20 @@ def instructor_only(result: dict) -> list:
     return records
 
 
+WORKER_MEMORY_FLOOR = 6 << 30     # see sandbox.join_worker_cgroup
+
+
 def grade_submission(job: dict) -> dict:
     """Grade every notebook of one submission; write and return the result."""
-    from labkit.grading.sandbox import _die_with_parent, become_subreaper, kill_adopted
+    from labkit.grading.sandbox import (_die_with_parent, become_subreaper, join_worker_cgroup,
+                                        kill_adopted)
     _die_with_parent()      # the grader stopped or killed: this worker (and its kernels) too
     become_subreaper()      # an unisolated kernel's daemons come back here, to be killed
+    if job.get("limits", {}).get("isolate", True):   # a memory cgroup of its own (issue 33)
+        run_id = os.path.basename(os.path.dirname(job["run_dir"].rstrip("/")))
+        join_worker_cgroup(run_id, job.get("slot", 0),
+                           max(WORKER_MEMORY_FLOOR, 2 * int(job.get("limits", {}).get(
+                               "memory_bytes", 4 << 30))))
     started = time.monotonic()
     deadline = started + float(job["time_limit"])
     result = {"student": job["student"], "nonce": job["nonce"], "notebooks": {}, "events": [],
