@@ -104,3 +104,18 @@ def test_a_grading_worker_joins_a_memory_cgroup_of_its_own(tmp_path):
         sandbox._empty_and_remove(path)
         os.rmdir(os.path.dirname(path))
     assert not os.path.exists(path)
+
+
+def test_the_default_jobs_follow_the_cores_and_the_memory(monkeypatch):
+    """Issue 30: `--jobs` defaulted to the core count, but each submission starts 2+ ranks."""
+    import psutil
+    from labkit.grading import pipeline
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert pipeline.default_jobs() == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    free = type("Memory", (), {"available": 40 << 30})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    assert pipeline.default_jobs() == 6                    # 40 GiB / (4 + 2) GiB, not 16
+    assert pipeline.default_jobs({"memory_bytes": 1 << 30}) == 13
+    free.available = 64 << 40
+    assert pipeline.default_jobs() == 16                   # 32 cores // 2

@@ -14,7 +14,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("submissions", help="folder of <student_id>/ folders (nbgrader's "
                         "submitted layout <student_id>/<LAB>/ works too)")
     parser.add_argument("--jobs", "-j", type=int, default=None,
-                        help="submissions graded at once (default: the machine's cores)")
+                        help="submissions graded at once (default: what this machine can run: half its "
+                             "cores, fewer if memory is short; 1 on 2 cores)")
     parser.add_argument("--out", default=None,
                         help="where gradebook, grades.csv and feedback/ go "
                              "(default: grading/<LAB>)")

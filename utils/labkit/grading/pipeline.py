@@ -96,6 +96,18 @@ class GradeReport:
         return [r for r in self.results if not r.graded]
 
 
+def default_jobs(limits: dict | None = None) -> int:
+    """Submissions graded at once when `--jobs` is not given: what the machine can run, not its
+    core count. A submission keeps about two cores busy (its kernel, then the 2-8 ranks of each
+    graded call) and holds up to its memory limit plus ~2 GiB for its grading worker: so
+    min(cores // 2, available memory // (limit + 2 GiB)), at least 1 (1 on a 2-core laptop)."""
+    import psutil
+    memory = int((limits or {}).get("memory_bytes", 4 << 30)) + (2 << 30)
+    by_cores = (os.cpu_count() or 1) // 2
+    by_memory = psutil.virtual_memory().available // memory
+    return max(1, min(by_cores, by_memory))
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """"i/N" -> (i, N), 0 <= i < N (0-based, like a Slurm array index or a Kubernetes
     JOB_COMPLETION_INDEX)."""
@@ -535,7 +547,7 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
     submissions = {student: notebooks for student, notebooks in
                    find_submissions(os.path.abspath(submissions_dir), lab, notebook_ids).items()
                    if in_shard(student, shard)}
-    jobs = max(1, min(int(jobs or os.cpu_count() or 1), max(1, len(submissions))))
+    jobs = max(1, min(int(jobs or default_jobs(limits)), max(1, len(submissions))))
 
     # data files the lab ships next to its notebooks (labs/<lab>/ minus notebooks)
     release = os.path.join(private, "release", lab)
