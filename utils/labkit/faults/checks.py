@@ -208,16 +208,10 @@ def guarded_stream(share, guard_class, guard_kwargs=None) -> dict:
             step += 1
             started_at[step] = cursor
             continue
-        if isinstance(back, bool) or not isinstance(back, int) or not 0 <= back <= step:
-            raise ValueError(f"rank {rank}: after_step returned {back!r} at step {step}: "
-                             f"expected None or the step to resume from, an int between 0 and "
-                             f"{step}")
+        spikes.check_resume_step(back, step, f"rank {rank}: ")
         rollbacks.append((step, back))
         step, cursor = back, started_at[back]
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"weights": weights, "losses": losses, "rollbacks": rollbacks,
-            "quarantined": sorted(int(i) for i in (getattr(guard, "quarantined", ()) or ())),
-            "iterations": iterations}
+    return spikes.guarded_result(model, losses, rollbacks, guard, iterations)
 
 
 def _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout):

@@ -249,11 +249,22 @@ def guarded_train(config: dict, guard_class, guard_kwargs: dict | None = None) -
             step += 1
             started_at[step] = cursor
             continue
-        if isinstance(back, bool) or not isinstance(back, int) or not 0 <= back <= step:
-            raise ValueError(f"after_step returned {back!r} at step {step}: expected None or "
-                             f"the step to resume from, an int between 0 and {step}")
+        check_resume_step(back, step)
         rollbacks.append((step, back))
         step, cursor = back, started_at[back]
+    return guarded_result(model, losses, rollbacks, guard, iterations)
+
+
+def check_resume_step(back, step, who: str = "") -> None:
+    """A guard's `after_step` answer that is not None must be a step to resume from, 0..step."""
+    if isinstance(back, bool) or not isinstance(back, int) or not 0 <= back <= step:
+        raise ValueError(f"{who}after_step returned {back!r} at step {step}: expected None or "
+                         f"the step to resume from, an int between 0 and {step}")
+
+
+def guarded_result(model, losses, rollbacks, guard, iterations) -> dict:
+    """What a guarded training run hands back: the weights flat, the losses, the rollbacks, the
+    guard's quarantined batch ids, the iterations run."""
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"weights": weights, "losses": losses, "rollbacks": rollbacks,
             "quarantined": sorted(int(i) for i in (getattr(guard, "quarantined", ()) or ())),
