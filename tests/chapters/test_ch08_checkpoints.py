@@ -531,3 +531,43 @@ def test_async_interval_is_what_the_simulator_finds_best(ref_ns, stall, write, m
     young = math.sqrt(2 * stall * mtbf)
     if write > young:
         assert lost(young) > 1.5 * grid[1.0], (lost(young), grid)
+
+
+# DCP's dedup of replicated (plain) tensors: each key's single copy goes to the rank whose plan is
+# smallest so far (torch/distributed/checkpoint/_dedup_save_plans.py), not always to rank 0.
+DEDUP_FLOATS = {"embed": 8, "norm1": 2, "norm2": 2, "bias": 2, "head": 8, "scale": 1}
+
+
+def _dcp_replicated_save(folder):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    rank = dist.get_rank()
+    dcp.save({key: torch.full((n,), float(rank)) for key, n in DEDUP_FLOATS.items()},
+             checkpoint_id=folder)
+    loaded = {key: torch.zeros(n) for key, n in DEDUP_FLOATS.items()}
+    dcp.load(loaded, checkpoint_id=folder)
+    return {key: int(t[0].item()) for key, t in loaded.items()}
+
+
+def test_dcp_replicated_keys_are_spread_over_the_ranks_files(tmp_path, world3):
+    from labkit.checkpoint import dcp_files
+    folder = str(tmp_path / "dcp")
+    loads = world3.run(_dcp_replicated_save, folder)
+    # worked by hand from the rule, P = 3, bytes 32, 8, 8, 8, 32, 4:
+    # embed -> 0 (32,0,0); norm1 -> 1 (32,8,0); norm2 -> 2 (32,8,8); bias -> 1 (32,16,8);
+    # head -> 2 (32,16,40); scale -> 1
+    expected = {"embed": 0, "norm1": 1, "norm2": 2, "bias": 1, "head": 2, "scale": 1}
+    on_disk = dcp_files.key_files(folder)
+    assert {key: rank for key, (rank, _, _) in on_disk.items()} == expected
+    assert all(load == expected for load in loads), loads       # the copy each key came from
+    sizes = dcp_files.file_sizes(folder)
+    assert sorted(sizes) == [0, 1, 2] and sizes[1] > sizes[2] > sizes[0], sizes   # 3, 2, 1 keys
+
+
+def test_dcp_files_refuses_an_unfinished_save(tmp_path):
+    from labkit.checkpoint import dcp_files
+    with pytest.raises(FileNotFoundError, match="no .metadata"):
+        dcp_files.key_files(str(tmp_path))
+    with pytest.raises(ValueError, match="not a DCP data file"):
+        dcp_files.writer_rank("rank0.bin")
