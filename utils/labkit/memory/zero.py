@@ -178,6 +178,9 @@ class Block(nn.Module):
         flat[:initial.numel()] = initial
         mine = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
         self.held = False                                    # stage 3: is the gathered copy ours?
+        self.reshard = "microbatch"                          # or "step": see keep_for_step
+        self.last_backward = True                            # "step": is this the step's last?
+        self.unsharded_gradient = None                       # "step": [N_l], summed over microbatches
         self.gathered = None
         if stage <= 1:
             self.flat, self.shard = nn.Parameter(flat), None
@@ -201,6 +204,28 @@ class Block(nn.Module):
             self.gathered = nn.Parameter(torch.zeros(self.numel, dtype=self.shard.dtype,
                                                      device=self.shard.device), requires_grad=False)
 
+    def keep_for_step(self):
+        """Stages 2-3 inside a pipeline, resharded once per step (torch's pipelining stage with an
+        FSDP2 module: reshard_after_backward and requires_gradient_sync off until the last
+        backward). The gathered weights stay from the first forward of the step to its last
+        backward, the full gradient [N_l] is summed over the microbatches, and one reduce-scatter
+        after the last backward (`last_backward`, set by the schedule) hands this rank its slice.
+        Both full tensors are freed between steps. Call before ZeroTrainer attaches buffers."""
+        if self.stage < 2:
+            raise ValueError(f"keep_for_step is for ZeRO stages 2-3 (stage 1 already reduces once "
+                             f"per step), got stage {self.stage}")
+        self.reshard, self.reshard_after_forward = "step", False
+        self.unsharded_gradient = torch.zeros(0, dtype=self.flat_dtype(), device=self.device())
+        if self.stage == 3:
+            self.gathered = nn.Parameter(torch.zeros(0, dtype=self.shard.dtype,
+                                                     device=self.shard.device), requires_grad=False)
+
+    def flat_dtype(self):
+        return (self.flat if self.flat is not None else self.shard).dtype
+
+    def device(self):
+        return (self.flat if self.flat is not None else self.shard).device
+
     def forward(self, x):                                    # x: [B, T, H]
         return _BlockFunction.apply(x, self.flat if self.stage <= 1 else self.shard, self)
 
@@ -209,12 +234,20 @@ class Block(nn.Module):
         if self.stage < 3:
             return self.flat.detach()
         if not self.held:
+            if self.gathered.numel() == 0:                   # "step": freed between steps
+                self.gathered.data = torch.zeros(self.numel, dtype=self.shard.dtype,
+                                                 device=self.shard.device)
             dist.all_gather_single(self.gathered.data, self.shard.detach(), group=self.group)
             self.held = True
         return self.gathered.detach()
 
     def after_use(self, phase):
         """Stage 3 lets go of the gathered copy after backward, and after forward when resharding."""
+        if self.reshard == "step":
+            if self.stage == 3 and phase == "backward" and self.last_backward:
+                self.held = False
+                self.gathered.data = self.gathered.data.new_zeros(0)     # freed until next step
+            return
         if self.stage == 3 and (phase == "backward" or self.reshard_after_forward):
             self.held = False
 
@@ -222,7 +255,7 @@ class Block(nn.Module):
         """Where backward writes this block's full gradient: a fresh tensor (stages 0-1, handed to
         autograd, which adds it to flat.grad) or the shared buffer (stages 2-3, reduce-scattered
         at once)."""
-        if self.stage <= 1:
+        if self.stage <= 1 or self.reshard == "step":
             return torch.zeros_like(like)
         self.buffers.gradient.zero_()
         return self.buffers.gradient
@@ -231,6 +264,14 @@ class Block(nn.Module):
         """Stages 0-1 keep the full gradient [N_l]; stages 2-3 keep only their slice [S], summed."""
         if self.stage <= 1:
             return grad_flat
+        if self.reshard == "step":                           # sum now, reduce-scatter at the end
+            if self.unsharded_gradient.numel() == 0:
+                self.unsharded_gradient = torch.zeros_like(grad_flat)
+            self.unsharded_gradient += grad_flat
+            if not self.last_backward:
+                return None                                  # nothing for the shard yet
+            full, self.unsharded_gradient = self.unsharded_gradient, grad_flat.new_zeros(0)
+            return reduce_scatter(full, self.buffers.received, self.group)
         return reduce_scatter(grad_flat, self.buffers.received, self.group)
 
 

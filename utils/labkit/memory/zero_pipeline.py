@@ -10,10 +10,21 @@ gradients back to r - dp. Each stage holds `layers` blocks of `labkit.memory.zer
 ZeRO `zero_stage` over the dp ranks of its stage. One training step runs `microbatches` forwards
 and backwards in the order of the schedule, then one optimizer step.
 
-Stage 3 gathers a block's parameters whenever a forward or a backward needs them and they are not
-held: with `reshard_after_forward` (the default) they are freed after every forward and after every
-backward, so every microbatch gathers each block twice. Stage 1 gathers once per block per step,
-after the optimizer step, whatever the number of microbatches.
+Two policies for stages 2-3 (`reshard`, the same switch as chapter 6's cost model):
+    "microbatch"  (the default, DeepSpeed's ZeRO-3) stage 3 gathers a block's parameters whenever a
+                  forward or a backward needs them and they are not held: with
+                  `reshard_after_forward` they are freed after every forward and every backward,
+                  so every microbatch gathers each block twice; every backward reduce-scatters.
+    "step"        (torch's pipelining stage with FSDP2, torchtitan with pp > 1) the gathered weights
+                  and a full gradient stay from the first use in the step to its last backward,
+                  then one reduce-scatter per block: ZeRO-1's traffic, ZeRO-1's memory during the
+                  step, the shards' memory between steps (`zero.Block.keep_for_step`).
+Stage 1 gathers once per block per step, after the optimizer step, whatever the number of
+microbatches.
+
+`train_step` also reads, on the rank, the bytes of its weights, gradients and communication
+buffers (each storage once) after every forward and backward ("during": the largest) and after the
+optimizer step ("between").
 """
 from __future__ import annotations
 
@@ -23,6 +34,7 @@ import torch.distributed as dist
 from labkit.memory import zero
 
 SCHEDULES = ("gpipe", "1f1b")
+RESHARD = ("microbatch", "step")
 _GROUPS = {}                     # (world size, dp) -> this rank's dp group, made once per world
 
 
@@ -48,18 +60,23 @@ def schedule(kind: str, pp: int, stage: int, microbatches: int) -> list:
 
 
 def case(zero_stage=3, layers=2, microbatches=4, schedule="1f1b", pp=2, hidden=16,
-         micro_batch=2, seq=4, reshard_after_forward=True, seed=0) -> dict:
+         micro_batch=2, seq=4, reshard_after_forward=True, seed=0, reshard="microbatch") -> dict:
     """Plain data describing one pipeline training step (what `train_step` runs on every rank)."""
     if zero_stage not in zero.STAGES:
         raise ValueError(f"zero_stage must be one of {zero.STAGES}, got {zero_stage!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if reshard not in RESHARD:
+        raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
+    if reshard == "step" and zero_stage < 2:
+        raise ValueError(f"reshard='step' is a policy for ZeRO stages 2-3, got zero_stage="
+                         f"{zero_stage}; stages 0-1 already reduce once per step")
     for name, value in (("layers", layers), ("microbatches", microbatches), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return dict(zero_stage=zero_stage, layers=layers, microbatches=microbatches, schedule=schedule,
                 pp=pp, hidden=hidden, micro_batch=micro_batch, seq=seq,
-                reshard_after_forward=bool(reshard_after_forward), seed=seed)
+                reshard_after_forward=bool(reshard_after_forward), seed=seed, reshard=reshard)
 
 
 def _dp_group(dp):
@@ -78,7 +95,8 @@ def _dp_group(dp):
 
 def train_step(case: dict) -> dict:
     """On every rank: one pipeline step (see the module docstring). Returns what this rank did:
-    its stage, its dp rank and the order of its work."""
+    its stage, its dp rank, the order of its work, and the bytes it held (`held_bytes`) during
+    the step (the most, read after each forward and backward) and after it."""
     rank, world_size, pp = dist.get_rank(), dist.get_world_size(), case["pp"]
     if world_size % pp:
         raise ValueError(f"world size ({world_size}) is not a multiple of pp ({pp})")
@@ -90,14 +108,53 @@ def train_step(case: dict) -> dict:
     H, L, m = case["hidden"], case["layers"], case["microbatches"]
     blocks = zero.make_blocks(L, H, case["seed"], dp, dp_rank, case["zero_stage"],
                               dtype=torch.float32, device=device, group=group, first_layer=stage * L)
-    if not case["reshard_after_forward"]:
-        for block in blocks:
+    step_policy = case.get("reshard", "microbatch") == "step"
+    for block in blocks:
+        if step_policy:
+            block.keep_for_step()
+        elif not case["reshard_after_forward"]:
             block.keep_after_forward()
     trainer = zero.ZeroTrainer(blocks, case["zero_stage"], group=group, lr=1e-3)
+    if step_policy:                                  # each block has its own full copies instead
+        trainer.buffers.gathered = trainer.buffers.gathered.new_zeros(0)
+        trainer.buffers.gradient = trainer.buffers.gradient.new_zeros(0)
+    during = _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device)
+    order = schedule(case["schedule"], pp, stage, m)
+    return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order],
+            "bytes_during": during, "bytes_between": held_bytes(trainer),
+            "masters": [master.detach().double().clone() for master in trainer.masters]}
+
+
+def held_bytes(trainer) -> int:
+    """Bytes of this rank's weights, gradients (full ones kept for the step included) and
+    communication buffers, each storage counted once."""
+    tensors = [t for t in vars(trainer.buffers).values()]
+    for block in trainer.blocks:
+        for p in (block.flat, block.shard, block.gathered):
+            if p is not None:
+                tensors += [p] + ([p.grad] if p.grad is not None else [])
+        if block.unsharded_gradient is not None:
+            tensors.append(block.unsharded_gradient)
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device) -> int:
+    """One training step; returns the most bytes `held_bytes` read between its forwards and
+    backwards."""
+    pp, H, m = case["pp"], case["hidden"], case["microbatches"]
     shape = (case["micro_batch"], case["seq"], H)                      # [b, T, H]
     inputs, outputs, works = {}, {}, []
     order = schedule(case["schedule"], pp, stage, m)
-    for kind, i in order:
+    last = max(j for j, (kind, _) in enumerate(order) if kind == "B")
+    during = 0
+    for j, (kind, i) in enumerate(order):
+        for block in blocks:
+            block.last_backward = j == last
         if kind == "F":
             if stage == 0:
                 x = torch.randn(shape, generator=torch.Generator().manual_seed(
@@ -121,10 +178,11 @@ def train_step(case: dict) -> dict:
             x = inputs.pop(i)
             if stage > 0:
                 works.append(dist.isend(x.grad, dst=rank - dp))
+        during = max(during, held_bytes(trainer))
     for work in works:
         work.wait()
     trainer.step()
-    return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order]}
+    return during
 
 
 def count(trace, rank: int, op) -> int:
