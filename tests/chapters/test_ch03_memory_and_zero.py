@@ -61,6 +61,19 @@ def test_model_states_are_psi_times_b_rep_plus_b_shard_over_p(psi, dp, stage, re
         assert total <= sum(ledger.model_states(psi, dp, stage - 1, recipe).values())
 
 
+def test_megatron_fp32_gradient_recipe_is_18_bytes_and_6_plus_12_over_d_with_zero_1():
+    recipe = ledger.recipe_named("mixed_fp32_grads")
+    assert sum(ledger.model_states(1e9, 1, 0, recipe).values()) == 18e9
+    for d in (2, 8, 64):
+        assert sum(ledger.model_states(1e9, d, 1, "mixed_fp32_grads").values()) \
+            == pytest.approx(1e9 * (6 + 12 / d))
+    bf16 = ledger.per_rank_ledger(4, 256, 4, 128, 1, dp=4, zero_stage=1)
+    fp32 = ledger.per_rank_ledger(4, 256, 4, 128, 1, dp=4, zero_stage=1, recipe="mixed_fp32_grads")
+    assert fp32["gradients"] == 2 * bf16["gradients"] and fp32["parameters"] == bf16["parameters"]
+    with pytest.raises(ValueError, match="mixed_fp32_grads"):
+        ledger.model_states(1e9, 8, 1, "bf16")
+
+
 def test_ledger_rejects_bad_input_with_the_value():
     with pytest.raises(ValueError, match="dp must be a positive number, got 0"):
         ledger.model_states(1e9, 0, 1)
@@ -197,6 +210,41 @@ def test_stage_3_gathers_twice_per_microbatch_in_a_pipeline(world):
                 world.call(zero_pipeline.train_step, args=(case,), timeout=60)
             assert [zero_pipeline.count(trace, r, "all_gather_single") for r in range(4)] \
                 == [expected] * 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule_kind", ["1f1b", "gpipe"])
+def test_stage_3_resharded_once_per_step_gathers_l_times_and_holds_zero_1_memory(world, schedule_kind):
+    """The once-per-step policy (torch's pipelining stage with FSDP2): L all-gathers and L
+    reduce-scatters per step whatever m, the same weights as resharding every microbatch, the
+    whole weights and gradients held during the step and only the shards between steps."""
+    L, m, H, b = 2, 3, 16, 4                              # float32 bench
+    N = zero.padded_numel(H, 2)
+    S = N // 2
+    results = {}
+    for reshard in ("microbatch", "step"):
+        case = zero_pipeline.case(zero_stage=3, layers=L, microbatches=m, schedule=schedule_kind,
+                                  hidden=H, reshard=reshard)
+        with world.tracing() as trace:
+            results[reshard] = world.call(zero_pipeline.train_step, args=(case,), timeout=60)
+        gathers = [zero_pipeline.count(trace, r, "all_gather_single") for r in range(4)]
+        scatters = [zero_pipeline.count(trace, r, "all_to_all_single") for r in range(4)]
+        assert gathers == [2 * m * L if reshard == "microbatch" else L] * 4, (reshard, gathers)
+        assert scatters == [m * L if reshard == "microbatch" else L] * 4, (reshard, scatters)
+    for r in range(4):
+        step, micro = results["step"][r], results["microbatch"][r]
+        for a, c in zip(step["masters"], micro["masters"]):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+        assert micro["bytes_during"] == micro["bytes_between"] == (2 * L * S + 3 * N) * b
+        assert step["bytes_during"] == (L * S + 2 * L * N + N) * b, (r, step)
+        assert step["bytes_between"] == (2 * L * S + N) * b, (r, step)
+
+
+def test_reshard_step_is_refused_where_it_means_nothing():
+    with pytest.raises(ValueError, match="stages 2-3"):
+        zero_pipeline.case(zero_stage=1, reshard="step")
+    with pytest.raises(ValueError, match="reshard must be one of"):
+        zero_pipeline.case(zero_stage=3, reshard="layer")
 
 
 @pytest.mark.timeout(120)

@@ -42,6 +42,21 @@ class Recipe:
 
 MIXED_ADAMW = Recipe(param=2, grad=2, optimizer=12)    # bf16/fp16 weights and grads, fp32 master + m + v
 FP32_ADAMW = Recipe(param=4, grad=4, optimizer=8)      # everything fp32: m + v only
+# bf16 weights, fp32 gradient accumulators ("main grads"), fp32 master + m + v: 18 bytes. This is
+# Megatron-LM's default with bf16 (its distributed-optimizer docs: 18 bytes per parameter, 6 + 12/d
+# with the distributed optimizer, which is ZeRO-1 over the d data-parallel ranks). Chapter 2's
+# numerics section measures why: a bf16 accumulator loses small microbatch contributions.
+MIXED_ADAMW_FP32_GRADS = Recipe(param=2, grad=4, optimizer=12)
+RECIPES = {"mixed": MIXED_ADAMW, "mixed_fp32_grads": MIXED_ADAMW_FP32_GRADS, "fp32": FP32_ADAMW}
+
+
+def recipe_named(recipe) -> Recipe:
+    """A Recipe, or one of RECIPES' names ("mixed" 2+2+12, "mixed_fp32_grads" 2+4+12, "fp32")."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be a Recipe or one of {sorted(RECIPES)}, got {recipe!r}")
+    return RECIPES[recipe]
 
 
 def _check_stage(stage) -> None:
@@ -58,6 +73,7 @@ def _check_positive(**values) -> None:
 def split_bytes(stage: int, recipe: Recipe = MIXED_ADAMW) -> tuple[float, float]:
     """(b_rep, b_shard): bytes per parameter kept whole on every rank, and split over P ranks."""
     _check_stage(stage)
+    recipe = recipe_named(recipe)
     sharded = {0: 0.0, 1: recipe.optimizer, 2: recipe.optimizer + recipe.grad,
                3: recipe.total}[stage]
     return recipe.total - sharded, sharded
@@ -70,6 +86,7 @@ def model_states(psi: float, dp: int, stage: int, recipe: Recipe = MIXED_ADAMW) 
     Stage 3: parameters too. (ZeRO paper, figure 1 and table 1.)"""
     _check_stage(stage)
     _check_positive(psi=psi, dp=dp)
+    recipe = recipe_named(recipe)
     return {"parameters": recipe.param * psi / (dp if stage >= 3 else 1),
             "gradients": recipe.grad * psi / (dp if stage >= 2 else 1),
             "optimizer_states": recipe.optimizer * psi / (dp if stage >= 1 else 1)}
@@ -129,16 +146,21 @@ def communication_volume(stage: int) -> int:
 
 
 def wire_bytes_per_rank(psi: float, dp: int, stage: int, bytes_per_element: float = 2,
-                        microbatches: int = 1) -> float:
+                        microbatches: int = 1, reshard: str = "microbatch") -> float:
     """Bytes each rank sends per step on a ring or direct exchange: (P-1)/P of every collective.
 
-    Stage 3 with m microbatches (gradient accumulation or a pipeline) gathers the parameters in
-    every forward and every backward and reduce-scatters every backward: 3 m Psi. Stages 1-2 keep
-    one gather per step; stage 2 reduce-scatters per microbatch: (1 + m) Psi; DP and stage 1: 2 Psi."""
+    Stage 3 with m microbatches (gradient accumulation or a pipeline) resharded every microbatch
+    (reshard="microbatch") gathers the parameters in every forward and every backward and
+    reduce-scatters every backward: 3 m Psi. Stages 1-2 keep one gather per step; stage 2
+    reduce-scatters per microbatch: (1 + m) Psi; DP and stage 1: 2 Psi. reshard="step" (weights
+    and a full gradient kept for the step, as torch's pipelining stage does to FSDP2; chapter 6's
+    `mesh.cost` has the same switch): stages 2-3 send 2 Psi, like stage 1."""
     _check_stage(stage)
     _check_positive(psi=psi, dp=dp, microbatches=microbatches)
+    if reshard not in ("microbatch", "step"):
+        raise ValueError(f"reshard must be 'microbatch' or 'step', got {reshard!r}")
     m = microbatches
-    units = {0: 2, 1: 2, 2: 1 + m, 3: 3 * m}[stage]
+    units = {0: 2, 1: 2, 2: 1 + m, 3: 3 * m}[1 if reshard == "step" and stage >= 2 else stage]
     return units * (dp - 1) / dp * psi * bytes_per_element
 
 
@@ -204,6 +226,7 @@ def per_rank_ledger(layers, hidden, heads, seq, micro_batch, vocab=0, dp=1, tp=1
                     dp=dp, tp=tp, pp=pp, microbatches=microbatches)
     if layers % pp:
         raise ValueError(f"layers ({layers}) must be divisible by pp ({pp})")
+    recipe = recipe_named(recipe)
     psi = transformer_parameters(layers, hidden, vocab)
     psi_rank = psi / (tp * pp)                                 # this rank's slice before ZeRO
     states = model_states(psi_rank, dp, zero_stage, recipe)
