@@ -563,3 +563,30 @@ def test_switch_aux_loss_is_alpha_when_even_and_alpha_e_when_one_expert_takes_al
     collapsed[:, 0] = 40.0
     got = _switch_aux_loss(collapsed.softmax(-1), moe.route(collapsed, 1)[1], alpha).item()
     assert math.isclose(got, alpha * E, rel_tol=1e-9), got
+
+
+# ---- node-limited dispatch (chapter 7, section 5): labkit.moe.nodes ----
+
+def test_cross_node_rows_counts_copies_and_target_nodes():
+    from labkit.moe import nodes
+    # 3 nodes of 2 ranks; home rank 1 is on node 0
+    owners = torch.tensor([[0, 1, 2, 3],     # node 0 twice, node 1 twice: 2 copies across, 1 node
+                           [2, 3, 4, 5],     # nodes 1, 1, 2, 2: 4 copies, 2 nodes
+                           [0, 0, 1, 1]])    # all at home: nothing crosses
+    got = nodes.cross_node_rows(owners, home_rank=1, ranks_per_node=2)
+    assert got == {"per_copy": 6, "per_node": 3}
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        nodes.cross_node_rows(torch.tensor([0, 1]), home_rank=0, ranks_per_node=2)
+
+
+def test_expected_remote_nodes_matches_uniform_routing():
+    from labkit.moe import nodes
+    E, K, n_nodes, G = 16, 4, 4, 2                       # 8 ranks, 2 experts per rank
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.rand(20000, E, generator=generator)   # uniform top-K: a random K-subset
+    owners = moe.route(logits, K)[1] // (E // (n_nodes * G))
+    got = nodes.cross_node_rows(owners, home_rank=0, ranks_per_node=G)
+    expected = nodes.expected_remote_nodes(E, K, n_nodes)
+    assert math.isclose(got["per_copy"] / 20000, expected["per_copy"], rel_tol=0.02)
+    assert math.isclose(got["per_node"] / 20000, expected["per_node"], rel_tol=0.02)
+    assert expected["per_node"] < expected["per_copy"]
