@@ -74,6 +74,23 @@ def test_megatron_fp32_gradient_recipe_is_18_bytes_and_6_plus_12_over_d_with_zer
         ledger.model_states(1e9, 8, 1, "bf16")
 
 
+def test_one_rank_is_the_stage_that_peaks_each_part_where_it_lives():
+    config = dict(layers=8, hidden=512, heads=8, vocab=32000, seq=256, micro_batch=2, dp=2, tp=1,
+                  pp=4, zero_stage=1, microbatches=8)
+    stages = [ledger.stage_ledger(i, **config) for i in range(4)]
+    assert [s["transient_items"]["logits and their gradient"] > 0 for s in stages] == [False] * 3 + [True]
+    layer = ledger.activation_bytes_per_layer(256, 2, 512, 8)
+    assert [s["activations"] for s in stages] == [layer * 2 * (4 - i) for i in range(4)]
+    emb = 32000 * 512 * 2                                # bf16 weights of the embedding
+    assert stages[0]["parameters"] - stages[1]["parameters"] == emb == stages[3]["parameters"] - stages[1]["parameters"]
+    worst = ledger.peak_rank_ledger(**config)
+    assert worst["peak"] == max(s["peak"] for s in stages) and worst["stage_peaks"][worst["stage"]] == worst["peak"]
+    interleaved = ledger.stage_ledger(0, **config, chunks=2)["activations"]
+    assert interleaved == pytest.approx(stages[0]["activations"] * (1 + 3 / 8))   # 1 + (p-1)/(p v)
+    with pytest.raises(ValueError, match="stage must be an int"):
+        ledger.stage_ledger(4, **config)
+
+
 def test_ledger_rejects_bad_input_with_the_value():
     with pytest.raises(ValueError, match="dp must be a positive number, got 0"):
         ledger.model_states(1e9, 0, 1)

@@ -248,3 +248,64 @@ def per_rank_ledger(layers, hidden, heads, seq, micro_batch, vocab=0, dp=1, tp=1
     ledger["transient_items"] = transients
     ledger["parameters_total"] = psi
     return ledger
+
+
+def interleaving_penalty(pp: int, chunks: int = 1) -> float:
+    """Megatron-LM's factor on the first stage's activations under the interleaved 1F1B schedule
+    with v = `chunks` model chunks per stage: 1 + (p - 1) / (p v)
+    (megatron/training/theoretical_memory_usage.py, `interleaved_schedule_memory_penalty`); 1 when
+    not interleaved (v = 1)."""
+    _check_positive(pp=pp, chunks=chunks)
+    return 1.0 if chunks == 1 else 1 + (pp - 1) / (pp * chunks)
+
+
+def stage_ledger(stage, layers, hidden, heads, seq, micro_batch, vocab=0, dp=1, tp=1, pp=1,
+                 zero_stage=0, recompute="none", sequence_parallel=False, schedule="1f1b",
+                 microbatches=1, recipe=MIXED_ADAMW, chunks=1, bucket_bytes=25e6,
+                 allocator_slack=0.05) -> dict:
+    """One rank of pipeline stage `stage`: what `per_rank_ledger` counts, with each part where it
+    lives. Activations: the microbatches this stage holds (`in_flight_microbatches`; the first
+    stage the most, times `interleaving_penalty` for chunks > 1); the fp32 logits and their
+    gradient: the last stage only; the V x h embedding: the first stage, and a tied copy for the
+    output layer on the last (one copy when pp = 1)."""
+    _check_positive(layers=layers, hidden=hidden, heads=heads, seq=seq, micro_batch=micro_batch,
+                    dp=dp, tp=tp, pp=pp, microbatches=microbatches, chunks=chunks)
+    if layers % pp:
+        raise ValueError(f"layers ({layers}) must be divisible by pp ({pp})")
+    if not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ValueError(f"stage must be an int in [0, pp = {pp}), got {stage!r}")
+    recipe = recipe_named(recipe)
+    layer_params = (12 * hidden * hidden + 13 * hidden) / tp
+    embedding_copies = int(stage == 0) + int(stage == pp - 1 and pp > 1)
+    psi_rank = layer_params * (layers // pp) + embedding_copies * vocab * hidden / tp
+    states = model_states(psi_rank, dp, zero_stage, recipe)
+    per_layer = activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp,
+                                           sequence_parallel, recompute)
+    in_flight = in_flight_microbatches(schedule, pp, microbatches, stage)
+    if schedule == "1f1b":
+        in_flight *= interleaving_penalty(pp, chunks)
+    activations = per_layer * (layers // pp) * in_flight
+    transients = {
+        "gathered layers (stage 3)": 2 * layer_params * recipe.param if zero_stage == 3 else 0.0,
+        "gradient buckets": 0.0 if dp == 1 else min(2 * bucket_bytes, psi_rank * recipe.grad),
+        "logits and their gradient": (2 * 4 * seq * micro_batch * vocab / tp
+                                      if stage == pp - 1 else 0.0),
+        "optimizer step temporaries": 4 * psi_rank / (dp if zero_stage >= 1 else 1),
+    }
+    subtotal = sum(states.values()) + activations + sum(transients.values())
+    transients["allocator slack"] = allocator_slack * subtotal
+    out = dict(states, activations=activations, transients=sum(transients.values()))
+    out["peak"] = sum(out.values())
+    out.update(transient_items=transients, stage=stage,
+               parameters_total=transformer_parameters(layers, hidden, vocab))
+    return out
+
+
+def peak_rank_ledger(layers, hidden, heads, seq, micro_batch, **config) -> dict:
+    """The calculator's "one rank": the stage whose rank peaks highest (`stage_ledger` for every
+    stage; its "stage" names which, "stage_peaks" lists them all)."""
+    pp = config.get("pp", 1)
+    _check_positive(pp=pp)
+    stages = [stage_ledger(i, layers, hidden, heads, seq, micro_batch, **config) for i in range(pp)]
+    worst = max(stages, key=lambda s: s["peak"])
+    return dict(worst, stage_peaks=[s["peak"] for s in stages])

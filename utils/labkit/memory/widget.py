@@ -4,8 +4,10 @@
     widget.calculator()                       # last line of a cell: sliders and a live chart
     widget.plot_ledger(ledger.per_rank_ledger(...), limit_gb=80)   # the same chart, static
 
-Public calculators leave pipelines out; this one asks for the schedule and the microbatches, since
-stage 0 of a 1F1B pipeline holds pp microbatches of activations and GPipe holds all of them.
+"One rank" is the pipeline stage that peaks highest (`ledger.peak_rank_ledger`): the first stage
+holds the most microbatches of activations (pp under 1F1B, times Megatron-LM's interleaving
+penalty 1 + (p-1)/(pv) with v chunks, all m under GPipe; Megatron-LM's
+theoretical_memory_usage.py models the same), the last stage the fp32 logits, both the embedding.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def calculator(limit_gb: float = 80.0):
         "sequence_parallel": w.Checkbox(False, description="sequence parallel"),
         "schedule": w.Dropdown(options=["1f1b", "gpipe"], value="1f1b", description="schedule", style=style),
         "microbatches": w.IntSlider(8, 1, 64, description="microbatches", style=style),
+        "chunks": w.Dropdown(options=[1, 2, 4], value=1, description="chunks v (interleaved)", style=style),
         "limit": w.FloatSlider(limit_gb, min=16, max=192, step=8, description="device GB", style=style),
     }
     out = w.Output()
@@ -80,12 +83,13 @@ def calculator(limit_gb: float = 80.0):
         limit = values.pop("limit")
         out.outputs = ()
         try:
-            result = ledger.per_rank_ledger(layers, hidden, heads, vocab=vocab, **values)
+            result = ledger.peak_rank_ledger(layers, hidden, heads, vocab=vocab, **values)
         except ValueError as error:
             out.append_stdout(f"{error}\n")
             return
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        plot_ledger(result, limit, ax)
+        plot_ledger(result, limit, ax, f"stage {result['stage']} peaks: {result['peak'] / 1e9:.1f} GB "
+                    f"({'fits' if result['peak'] / 1e9 <= limit else 'does NOT fit'})")
         items = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in result["transient_items"].items() if v)
         ax.text(0.98, 0.02, f"transients (GB): {items}", transform=ax.transAxes, ha="right",
                 fontsize=6, wrap=True)
