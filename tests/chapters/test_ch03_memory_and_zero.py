@@ -91,6 +91,19 @@ def test_one_rank_is_the_stage_that_peaks_each_part_where_it_lives():
         ledger.stage_ledger(4, **config)
 
 
+def test_checkpointed_gradients_equal_only_when_dropout_is_replayed():
+    plain = activations.recomputation_gradients(checkpointed=False, seed=3)
+    replayed = activations.recomputation_gradients(preserve_rng_state=True, seed=3)
+    redrawn = activations.recomputation_gradients(preserve_rng_state=False, seed=3)
+    for name in ("x", "w1", "w2"):
+        torch.testing.assert_close(replayed[name], plain[name], rtol=0, atol=0)
+        assert not torch.allclose(redrawn[name], plain[name], rtol=1e-3, atol=1e-6), name
+    assert torch.equal(redrawn["loss"], plain["loss"])
+    no_dropout = activations.recomputation_gradients(preserve_rng_state=False, p=0.0)
+    torch.testing.assert_close(no_dropout["w1"], activations.recomputation_gradients(
+        checkpointed=False, p=0.0)["w1"], rtol=0, atol=0)
+
+
 def test_ledger_rejects_bad_input_with_the_value():
     with pytest.raises(ValueError, match="dp must be a positive number, got 0"):
         ledger.model_states(1e9, 0, 1)

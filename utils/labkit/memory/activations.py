@@ -269,3 +269,33 @@ def outputs_agree(case: dict):
     else:
         got = mine(x)
     return (got - expected).abs().max().item()
+
+
+def recomputation_gradients(preserve_rng_state=True, checkpointed=True, seed=0, p=0.5,
+                            hidden=16, tokens=8) -> dict:
+    """One process: gradients of a block with dropout, x -> W2 gelu(dropout(W1 x)), float64, run
+    plain or under `torch.utils.checkpoint.checkpoint` (non-reentrant, which recomputes the block
+    in backward). The generator is seeded the same before every run, so the forward draws the same
+    dropout mask; with preserve_rng_state=False the recomputation draws a fresh one, and backward
+    differentiates a different function from the one forward ran. Returns the loss and the
+    gradients of x, W1 and W2 (chapter 3, section 7)."""
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout p must be in [0, 1), got {p!r}")
+    g = torch.Generator().manual_seed(1234)
+    w1 = torch.randn(4 * hidden, hidden, generator=g, dtype=torch.float64).requires_grad_(True)
+    w2 = torch.randn(hidden, 4 * hidden, generator=g, dtype=torch.float64).requires_grad_(True)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    def block(x_):                                            # x_: [N, H] -> [N, H]
+        return F.gelu(F.dropout(x_ @ w1.T, p=p, training=True)) @ w2.T
+
+    torch.manual_seed(seed)                                   # the mask forward draws
+    if checkpointed:
+        from torch.utils.checkpoint import checkpoint
+        out = checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    else:
+        out = block(x)
+    torch.manual_seed(seed + 1)                               # what the generator is at backward
+    loss = out.square().sum()
+    loss.backward()
+    return {"loss": loss.detach(), "x": x.grad, "w1": w1.grad, "w2": w2.grad}
