@@ -571,3 +571,49 @@ def test_dcp_files_refuses_an_unfinished_save(tmp_path):
         dcp_files.key_files(str(tmp_path))
     with pytest.raises(ValueError, match="not a DCP data file"):
         dcp_files.writer_rank("rank0.bin")
+
+
+def test_dcp_quiet_hides_the_loaders_tracebacks_not_the_refusal(tmp_path, capfd):
+    """dcp.load of a folder without .metadata logs two tracebacks on the root logger (torch 2.13)
+    and raises; under dcp_files.quiet() it still raises, and prints nothing."""
+    import logging
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from labkit.checkpoint import dcp_files
+    handler = logging.StreamHandler()                 # what a notebook's root logger shows
+    logging.getLogger().addHandler(handler)
+    try:
+        def load():
+            try:
+                dcp.load({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+            except BaseException as error:            # CheckpointException is a BaseException
+                return dcp_files.refusal(error)
+            return None
+        loud = load()
+        noisy = capfd.readouterr().err
+        with dcp_files.quiet():
+            quiet = load()
+            logging.getLogger().warning("not DCP's: still shown")
+        silent = capfd.readouterr().err
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert loud and quiet and "\n" not in quiet, (loud, quiet)
+    assert "Traceback" in noisy, "torch no longer logs the fallback: the test shows nothing"
+    assert "Traceback" not in silent and "not DCP's: still shown" in silent, silent
+
+
+def test_phase_table_reads_each_trial_from_the_rank_that_ran_its_victim():
+    from labkit.checkpoint import trials
+    def record(victim, status, killed_at, torn=False, loaded=1, newest=1):
+        return {"victim": victim, "n_events": 3, "status": status, "killed_at": killed_at,
+                "loaded": loaded, "newest_complete": newest, "torn": torn}
+    # trial 0: rank 1's writer killed while writing; trial 1: rank 0's committer after the link
+    rank0 = [record(("writer", 1), "not reached", None),
+             record(("committer",), "killed", (5, "after", "link"), loaded=2, newest=2)]
+    rank1 = [record(("writer", 1), "killed", (1, "before", "write"), torn=True, loaded=0),
+             record(("committer",), "not reached", None, loaded=2, newest=2)]
+    rows = trials.phase_table([rank0, rank1])
+    assert rows == {"writer: while writing its shard": [1, 1, 0],
+                    "committer: after the link (the commit point)": [1, 0, 1]}, rows
+    with pytest.raises(ValueError, match="one record per trial"):
+        trials.phase_table([rank0, rank1[:1]])

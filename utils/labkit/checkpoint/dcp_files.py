@@ -5,9 +5,18 @@ for every saved tensor key, the data file holding its bytes (`__<rank>_0.distcp`
 writer) and their length. `file_sizes(folder)` lists the data files' sizes from the OS. Neither
 predicts anything: the chapter predicts the assignment from DCP's dedup rule
 (`torch/distributed/checkpoint/_dedup_save_plans.py`) and compares with what these read.
+
+`quiet()` silences what DCP prints on the expected refusals of the crash trials (section 3): its
+loader logs each failed metadata read with a full traceback on the *root* logger
+(`state_dict_loader.py`: `logger = logging.getLogger()`, twice per rank per refused load), and
+its writer warns on every save into an existing folder. The refusal itself still raises; the
+chapter shows it as one line.
 """
+import contextlib
+import logging
 import os
 import re
+import warnings
 
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 
@@ -43,3 +52,46 @@ def file_sizes(folder):
     """{writer rank: size in bytes of its .distcp file}, from os.stat."""
     return {writer_rank(name): os.path.getsize(os.path.join(folder, name))
             for name in sorted(os.listdir(folder)) if _DATA_FILE.search(name)}
+
+
+class _DropDCPRecords(logging.Filter):
+    def filter(self, record):
+        return "torch/distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
+
+
+@contextlib.contextmanager
+def quiet():
+    """DCP's log records (any logger) and its overwrite UserWarning off for the block; nothing
+    else is hidden, and every exception still propagates."""
+    drop = _DropDCPRecords()
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in
+                                       list(logging.root.manager.loggerDict)
+                                       if name.startswith("torch.distributed.checkpoint")]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint in",
+                                    category=UserWarning)
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+def refusal(error, folder=None):
+    """One line for an expected refusal: the exception's name, and for DCP's CheckpointException
+    (which wraps one exception per failed rank) the ranks and the first one's cause; `folder`,
+    when given, is written as <folder>."""
+    name = type(error).__name__
+    short = (lambda text: text.replace(str(folder), "<folder>")) if folder else (lambda text: text)
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))[0]
+        while getattr(cause, "__cause__", None) is not None or (
+                isinstance(cause, RuntimeError) and cause.__context__ is not None):
+            cause = cause.__cause__ or cause.__context__
+        first = (short(str(cause)).strip().splitlines() or [""])[0]
+        return f"{name} on ranks {sorted(failures)}: {type(cause).__name__}: {first[:100]}"
+    text = short(str(error)).strip().splitlines()
+    return f"{name}: {text[0][:100]}" if text else name
