@@ -190,12 +190,13 @@ def test_hidden_failures_in_the_gradebook_and_the_report(tmp_path):
                             {"alice": {"test_big": 0.0}},
                             {"alice": {"seconds": 1.0, "problems": [], "failures": {}, "shard": "-"}},
                             ["check(world, 'big')"], rows)
-    page = report.render(data)
+    assert "4242" not in report.render(data) and "Hidden failures: 1" in report.render(data)
+    page = report.render_hidden(data)
     section = page[page.index("Hidden failures (instructors only)"):]
     assert "alice" in section and "4242" in section and html.escape("check(world, 'big')") \
         in section and "test_big" in section
     data.record["alice"]["problems"] = ["quoting check(world, 'big')"]
-    assert "[withheld" in report.render(data).split("Hidden failures")[0]
+    assert "[withheld" in report.render(data)
 
 
 # ---- end to end: lab 0 graded with `labkit grade` as an instructor runs it ------------------
@@ -289,6 +290,8 @@ def test_lab0_feedback_shows_visible_failures_and_keeps_hidden_ones_for_instruct
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     content, text = _page_text(report_path)
+    assert str(record["seed"]) not in text and "Hidden failures: " in text   # shareable page
+    content, text = _page_text(tmp_path / "report-hidden-failures.html")
     section = text[text.index("Hidden failures (instructors only)"):]
     assert "test_task3_global_mean" in section and "ann" in section
     assert str(record["seed"]) in section and record["message"][:40] in section

@@ -18,8 +18,9 @@ its own to the same database (nbgrader and its formgrader never look at them):
 The report: one HTML page, figures as PNG inside it (matplotlib): total scores, each test cell's
 scores and pass rate, failures by kind, grading time; tables of the tasks that fail most and of
 the submissions with problems. Every hidden-test line of the gradebook is searched for in the
-page before it is written; text that quotes one is withheld. The last section, "Hidden failures
-(instructors only)", is added after that check: it quotes hidden tests on purpose.
+page before it is written; text that quotes one is withheld. Why hidden tests failed goes to a
+page of its own beside it (REPORT-hidden-failures.html, instructors only): it quotes hidden tests
+on purpose, and the class report, which does not, can be shared with teaching assistants.
 """
 from __future__ import annotations
 
@@ -368,8 +369,27 @@ def render(data: ClassData) -> str:
     if leaked:
         raise RuntimeError(f"the report would quote {len(leaked)} hidden-test line(s); "
                            "not written")
-    # checked above without it: this section alone quotes hidden tests, on purpose
-    return page + "\n" + hidden_failures_section(data) + "\n</body></html>"
+    count = len(data.hidden_failures)
+    note = (f"<p>Hidden failures: {count}, listed for instructors only in the page beside this "
+            f"one (<code>{e(HIDDEN_SUFFIX)}</code>): it quotes hidden tests; this page does not, "
+            "so it can go to teaching assistants.</p>")
+    return page + "\n" + note + "\n</body></html>"
+
+
+HIDDEN_SUFFIX = "-hidden-failures.html"
+
+
+def hidden_failures_path(report_path: str) -> str:
+    """Where the instructors' page of hidden failures goes, beside the class report."""
+    stem = report_path[:-len(".html")] if report_path.endswith(".html") else report_path
+    return stem + HIDDEN_SUFFIX
+
+
+def render_hidden(data: ClassData) -> str:
+    """The instructors-only page: why each hidden test failed (hidden_failures_section)."""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(data.lab)}: "
+            "hidden failures (instructors only)</title></head><body>\n"
+            + hidden_failures_section(data) + "\n</body></html>")
 
 
 def hidden_failures_section(data: ClassData) -> str:
@@ -477,6 +497,11 @@ def run(args) -> int:
     with open(out, "w", encoding="utf-8") as f:
         f.write(render(data))
     os.chmod(out, 0o600)
+    hidden_out = hidden_failures_path(out)
+    with open(hidden_out, "w", encoding="utf-8") as f:
+        f.write(render_hidden(data))
+    os.chmod(hidden_out, 0o600)
     print(f"labkit report {args.lab}: {len(data.scores)} submissions, {len(data.tasks)} test "
-          f"cells, {len(data.hidden_failures)} hidden failures (instructors only) -> {out}")
+          f"cells -> {out}; {len(data.hidden_failures)} hidden failures (instructors only: it "
+          f"quotes hidden tests) -> {hidden_out}")
     return 0
