@@ -316,8 +316,10 @@ def run_task1(check, ns, world, seed=None):
                                                  case=case)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def world3():
+    """The 3-rank world, alive: labkit.world returns the live one with these settings, or a new
+    one where a test in between made a world of its own (one world at a time closes the other)."""
     return labkit.world(3, teaching=False)
 
 

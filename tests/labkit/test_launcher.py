@@ -65,8 +65,8 @@ def test_what_a_call_keeps_of_a_ranks_output_is_bounded(world2, monkeypatch, cap
     assert kept[-1][1].startswith("[labkit: ") and "more lines of rank 0 not kept" in kept[-1][1]
     dropped = int(kept[-1][1].split()[1])
     assert len(kept) - 1 + dropped == 2000 + 3          # 40,000 unbroken: 2 cuts + the rest
-    assert world2.run(rc.summed, 0) == [1.0, 1.0]
-    assert all(not text.startswith("[labkit:") for _, text in world2.last_output[0])
+    assert world2.run(rc.floods, 3, 20, 0) == [3, 3]      # the next call: all its lines kept
+    assert [text[:8] for _, text in world2.last_output[0]] == ["00000000", "00000001", "00000002"]
 
 
 def test_a_rank_error_names_the_rank_and_shows_its_source_line(world2):
@@ -80,7 +80,8 @@ def test_a_rank_error_names_the_rank_and_shows_its_source_line(world2):
     assert "raise ValueError" in error.traceback and "ranks_code.py" in error.traceback
     # rank 0 waited in all_reduce for rank 1: stopped after the grace period, not the timeout
     assert elapsed < 10, elapsed
-    assert "rank 0: waiting in all_reduce #1" in str(error)
+    # (the number is the world's count of its collectives: other tests share this world)
+    assert re.search(r"rank 0: waiting in all_reduce #\d+", str(error)), str(error)
     assert world2.run(rc.summed, 0) == [1.0, 1.0]   # the next call works
 
 
