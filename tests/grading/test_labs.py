@@ -101,6 +101,16 @@ for _lab, _attacks in RANK_SIDE_ATTACKS.items():                     # one answe
         {student: (answers, None, scratch, score)
          for student, (answers, scratch, score) in _attacks.items()})
 
+import wrong_answers                                                  # noqa: E402
+
+for _lab, _wrong in wrong_answers.load().items():                    # issue 26, per lab
+    assert _lab in LABS, f"tests/grading/wrong_answers/{_lab}.py names no lab"
+    clash = set(_wrong) & set(ATTACKS.get(_lab, {}))
+    assert not clash, f"{_lab}: student names used twice: {sorted(clash)}"
+    ATTACKS.setdefault(_lab, {}).update(
+        {student: (answers, None, scratch, score)
+         for student, (answers, scratch, score) in _wrong.items()})
+
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]
 

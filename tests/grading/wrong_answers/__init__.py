@@ -1,0 +1,25 @@
+"""Issue 26's graded wrong answers: one module per lab (`lab03_memory_and_zero.py`, ...), each
+defining
+
+    WRONG = {student: (answers, scratch, score)}
+
+where `answers` is {answer cell's grade_id: function of that cell's solution source -> the wrong
+source}, `scratch` a cell of the student's inserted after the setup cells (or None), and `score`
+the exact score `labkit grade` must give. test_labs.py grades them in the same `labkit grade` run
+as the lab's solution and blank copy, so each costs grading seconds: a submission may carry one
+wrong answer per task (each losing only the cells of its own task), and the module's docstring
+says which test cell each wrong answer is there to fail.
+
+The per-cell coverage (every test cell failed by some wrong answer that passes the others) is
+checked fast, outside nbgrader, by the chapter tests (tests/chapters, `lab_notebooks.run_lab`)."""
+import importlib
+import pkgutil
+
+
+def load() -> dict:
+    """{lab: WRONG} for every module of this folder."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found[info.name] = module.WRONG
+    return found
