@@ -10,7 +10,10 @@
 Every case is drawn fresh (labkit.checks.Case; its seed is in every failure). Each rank is sent only
 what it would hold in a tensor-parallel job: its slice of the weights, of the logits, of the
 upstream gradient; expected values are computed here from the full tensors, never on a rank.
-Bytes are counted from outside the ranks (world.traffic()); the trace is used only to word hints.
+Bytes are counted from outside the ranks (world.traffic()) on every call whose values are judged,
+forward and backward apart (a mark between them): values computed another way (the whole weight
+gathered and the dense product taken, the logits gathered) fail on the wire of that same call,
+whatever its shape. The trace is used only to word hints.
 """
 from __future__ import annotations
 
@@ -40,6 +43,37 @@ def _close(a, b, dtype):
                                                                    **_TOLERANCES[dtype])
 
 
+AFTER_FORWARD = "lab 4: forward done, backward next"     # the mark between the two phases
+
+
+def _phases(traffic, rank):
+    """(forward, backward) bytes rank `rank` sent in a call that marked AFTER_FORWARD."""
+    at_mark = traffic.marks.get(AFTER_FORWARD, {}).get("sent")
+    if at_mark is None:
+        raise AssertionError(f"rank {rank}: the call ended without reaching its mark between "
+                             "forward and backward; expected the checker's own program to run")
+    return at_mark[rank], traffic.sent[rank] - at_mark[rank]
+
+
+def _judge_phases(traffic, case, what, phases, hint, ops=None):
+    """Each rank's bytes per phase within [0.99 data, data + framing of `collectives`]:
+    phases = {"forward": (data_bytes, collectives[, most_data_bytes]), "backward": (...)}. A
+    phase without a collective may send at most 512 B (nothing but stray acknowledgements)."""
+    tp = traffic.size
+    for rank in range(tp):
+        forward, backward = _phases(traffic, rank)
+        for phase, sent in (("forward", forward), ("backward", backward)):
+            data, collectives, most = (*phases[phase], None)[:3]
+            high = ((data if most is None else most)
+                    + collectives * (tp - 1) * FRAMING_PER_PEER + 512)
+            if not 0.99 * data <= sent <= high:
+                called = f"; the rank called {ops(rank)}" if ops is not None else ""
+                raise AssertionError(
+                    f"rank {rank} sent {sent} bytes in {what}'s {phase}; expected "
+                    f"{data:.0f} bytes of data (up to {high:.0f} with headers) [{case}]"
+                    f"{called}; {hint(phase, sent, data)}")
+
+
 # ---- task 1: column- and row-parallel linear layers ---------------------------------------------
 
 def _run_linear(share, layer_cls, kind, in_features, out_features, option, bias, dtype):
@@ -63,6 +97,7 @@ def _run_linear(share, layer_cls, kind, in_features, out_features, option, bias,
     import labkit
     x = share["x"].to(labkit.device()).requires_grad_(True)
     y = layer(x)
+    labkit.mark(AFTER_FORWARD)
     y.backward(share["dy"].to(labkit.device()))
     return {"shapes": shapes, "y": y.detach(), "dx": x.grad,
             "dweight": weight.grad, "dbias": layer_bias.grad if bias else None}
@@ -164,9 +199,28 @@ def check_column_parallel(world, layer_cls, in_features, out_features, gather_ou
             return "the weight gradient is t times too large: is the output gradient summed?"
         return "compare with a single nn.Linear holding the full weight"
 
-    results = world.run_each(_run_linear, shares, layer_cls, "column", in_features, out_features,
-                             gather_output, bias, dtype, timeout=timeout)
+    with world.tracing() as trace, world.traffic() as traffic:
+        results = world.run_each(_run_linear, shares, layer_cls, "column", in_features,
+                                 out_features, gather_output, bias, dtype, timeout=timeout)
     _compare_linear(results, expected, case, dtype, hints)
+    if tp > 1:
+        y_bytes, x_bytes = full["y"].numel() * x.element_size(), x.numel() * x.element_size()
+        phases = {"forward": (tpk.all_gather_bytes(y_bytes, tp), 1) if gather_output else (0, 0),
+                  "backward": (tpk.all_reduce_bytes(x_bytes, tp), 1)}
+
+        def wire_hint(phase, sent, data):
+            if phase == "forward" and not gather_output:
+                return ("with gather_output=False the forward is local: f is the identity, "
+                        "y_r = x W_r^T + b_r; nothing is sent (no weight gathered)")
+            if phase == "forward":
+                return ("the forward sends one all-gather of the [..., out/t] outputs: the layer "
+                        "works on its own rows of W, it never gathers the weight")
+            return ("the backward sends one all-reduce of x.grad's shares dy_r W_r (Megatron's "
+                    "f); a layer that computes the dense x.grad from a gathered weight sends "
+                    "nothing here")
+
+        _judge_phases(traffic, case, f"ColumnParallelLinear(gather_output={gather_output})",
+                      phases, wire_hint, ops=lambda r: [e["op"] for e in trace.ops(r)])
     _check_divisibility(world, layer_cls, "column", in_features, out_features, timeout)
 
 
@@ -212,9 +266,32 @@ def check_row_parallel(world, layer_cls, in_features, out_features, input_is_par
                     "check which size the split uses")
         return "compare with a single nn.Linear holding the full weight"
 
-    results = world.run_each(_run_linear, shares, layer_cls, "row", in_features, out_features,
-                             input_is_parallel, bias, dtype, timeout=timeout)
+    with world.tracing() as trace, world.traffic() as traffic:
+        results = world.run_each(_run_linear, shares, layer_cls, "row", in_features,
+                                 out_features, input_is_parallel, bias, dtype, timeout=timeout)
     _compare_linear(results, expected, case, dtype, hints)
+    if tp > 1:
+        y_bytes, x_bytes = full["y"].numel() * x.element_size(), x.numel() * x.element_size()
+        gather_dx = tpk.all_gather_bytes(x_bytes, tp)
+        phases = {"forward": (tpk.all_reduce_bytes(y_bytes, tp), 1),
+                  "backward": (0, 0) if input_is_parallel else (gather_dx, 1)}
+        if not input_is_parallel:      # an all-reduce of the zero-padded gradient is let pass
+            phases["backward"] = (gather_dx, 1, tpk.all_reduce_bytes(x_bytes, tp))
+
+        def wire_hint(phase, sent, data):
+            if phase == "forward":
+                return ("the forward sends one all-reduce of the [..., out] partial products "
+                        "(Megatron's g): the layer works on its own columns of W, it never "
+                        "gathers the weight or the input")
+            if input_is_parallel:
+                return ("with input_is_parallel=True the backward is local: g's backward is the "
+                        "identity and x.grad = dy W_r; nothing is sent")
+            return ("the backward sends one all-gather of the input gradient's [..., in/t] "
+                    "slices (the conjugate of taking my slice); a layer that computes the dense "
+                    "x.grad from a gathered weight sends nothing here")
+
+        _judge_phases(traffic, case, f"RowParallelLinear(input_is_parallel={input_is_parallel})",
+                      phases, wire_hint, ops=lambda r: [e["op"] for e in trace.ops(r)])
     _check_divisibility(world, layer_cls, "row", in_features, out_features, timeout)
 
 
@@ -278,6 +355,7 @@ def _run_block(share, block_fn, heads, backward=True):
     y = block_fn(local, x, heads)
     if not backward:
         return {"y": y.detach()}
+    labkit.mark(AFTER_FORWARD)
     y.backward(share["dy"].to(device))
     return {"y": y.detach(), "dx": x.grad, "grads": {k: v.grad for k, v in local.items()}}
 
@@ -303,14 +381,34 @@ def _compare_block(results, y, dx, expected_grads, case, dtype):
 
 def check_block(world, shard_fn, block_fn, batch=3, seq=5, dtype="float64", timeout=60,
                 sizes=None):
-    """The tensor-parallel block equals tpk.block_reference, outputs and every gradient."""
+    """The tensor-parallel block equals tpk.block_reference, outputs and every gradient, computed
+    from the shards: on the same call, each direction sends at least Megatron's two all-reduces
+    of [B, T, H] and at most three times their bytes (a block that gathers the weights and runs
+    the whole block on every rank sends the weights, and nothing in backward). How many
+    all-reduces exactly is check_block_traffic's."""
     sizes = dict(sizes or LAB_BLOCK)
+    tp = world.size
     case, params, x, dy, shards, y, dx, expected_grads = _block_case(
-        f"tensor-parallel block {sizes} on {world.size} ranks, {dtype}", shard_fn, world.size,
+        f"tensor-parallel block {sizes} on {tp} ranks, {dtype}", shard_fn, tp,
         batch, seq, dtype, sizes)
-    results = world.run_each(_run_block, [{"local": s, "x": x, "dy": dy} for s in shards],
-                             block_fn, sizes["heads"], timeout=timeout)
+    with world.traffic() as traffic:
+        results = world.run_each(_run_block, [{"local": s, "x": x, "dy": dy} for s in shards],
+                                 block_fn, sizes["heads"], timeout=timeout)
     _compare_block(results, y, dx, expected_grads, case, dtype)
+    if tp == 1:
+        return
+    data = 2 * tpk.all_reduce_bytes(x.numel() * x.element_size(), tp)
+    weights = sum(params[name].numel() * params[name].element_size() for name in SPLIT)
+
+    def wire_hint(phase, sent, expected):
+        return (f"two all-reduces of the [{batch}, {seq}, {sizes['hidden']}] activation send "
+                f"{expected:.0f} bytes per direction, gathering the split weights "
+                f"{tpk.all_gather_bytes(weights, tp):.0f}: compute from this rank's shards, "
+                "with Megatron's f before each column-parallel part and g after each row-parallel "
+                "one")
+
+    _judge_phases(traffic, case, "tp_block", {"forward": (data, 6, 3 * data),
+                                              "backward": (data, 6, 3 * data)}, wire_hint)
 
 
 def check_block_traffic(world, shard_fn, block_fn, batch=4, seq=24, dtype="float64", timeout=60,
@@ -325,24 +423,18 @@ def check_block_traffic(world, shard_fn, block_fn, batch=4, seq=24, dtype="float
         f"traffic of the tensor-parallel block {sizes} on {tp} ranks", shard_fn, tp, batch, seq,
         dtype, sizes)
     shares = [{"local": s, "x": x, "dy": dy} for s in shards]
-    # forward alone, then forward and backward: the difference is what backward sent
-    with world.traffic() as forward_traffic:
-        alone = world.run_each(_run_block, shares, block_fn, sizes["heads"], False,
-                               timeout=timeout)
+    # one call; the mark between forward and backward splits what each phase sent
     with world.tracing() as trace, world.traffic() as traffic:
         results = world.run_each(_run_block, shares, block_fn, sizes["heads"], timeout=timeout)
-    checks.one_result_per_rank(alone, tp, case, "tp_block")
     _compare_block(results, y, dx, expected_grads, case, dtype)
     if tp == 1:
         return
     n = x.numel() * x.element_size()
     data = 2 * tpk.all_reduce_bytes(n, tp)                 # two all-reduces per direction
     framing = 2 * (tp - 1) * FRAMING_PER_PEER + 512
-    forward = forward_traffic.sent
-    backward = [total - f for total, f in zip(traffic.sent, forward)]
     for rank in range(tp):
         ops = [r["op"] for r in trace.ops(rank)]              # words for the message only
-        for phase, sent in (("forward", forward[rank]), ("backward", backward[rank])):
+        for phase, sent in zip(("forward", "backward"), _phases(traffic, rank)):
             if not data * 0.99 <= sent <= data + framing:
                 raise AssertionError(
                     f"rank {rank} sent {sent} bytes in {phase}; one all-reduce of the "
@@ -370,6 +462,7 @@ def _run_vocab(share, fn, ignore_index, pass_ignore):
     logits = share["logits"].to(labkit.device()).requires_grad_(True)
     kwargs = {"ignore_index": ignore_index} if pass_ignore else {}
     loss = fn(logits, share["targets"].to(labkit.device()), share["start"], **kwargs)
+    labkit.mark(AFTER_FORWARD)
     loss.backward()
     return {"loss": loss.detach(), "grad": logits.grad}
 
@@ -393,7 +486,10 @@ def _vocab_case(what, tokens, vocab, tp, dtype, ignore_fraction, ignore_index, u
 
 def check_vocab_cross_entropy(world, fn, tokens=64, vocab=48, dtype="float32",
                               ignore_fraction=0.0, ignore_index=-100, uneven=False, timeout=30):
-    """Loss and gradient equal F.cross_entropy on the full logits (mean over counted tokens)."""
+    """Loss and gradient equal F.cross_entropy on the full logits (mean over counted tokens),
+    computed from the shards: on the same call, forward and backward each send at most three
+    all-reduces of N values (the max, the sum of exponentials, the target's logit), whatever
+    the shards' widths. That backward sends nothing at all is check_vocab_traffic's."""
     tp = world.size
     case, logits, targets, bounds = _vocab_case(
         f"vocab-parallel cross-entropy, N={tokens}, V={vocab} over {tp} ranks "
@@ -403,8 +499,9 @@ def check_vocab_cross_entropy(world, fn, tokens=64, vocab=48, dtype="float32",
     loss = F.cross_entropy(full, targets, ignore_index=ignore_index)
     loss.backward()
     shares = [{"logits": logits[:, s:e].clone(), "targets": targets, "start": s} for s, e in bounds]
-    results = world.run_each(_run_vocab, shares, fn, ignore_index, ignore_index != -100,
-                             timeout=timeout)
+    with world.traffic() as traffic:
+        results = world.run_each(_run_vocab, shares, fn, ignore_index, ignore_index != -100,
+                                 timeout=timeout)
     checks.one_result_per_rank(results, tp, case, "vocab_parallel_cross_entropy")
     tol = _TOLERANCES[dtype]
     for rank, (got, (s, e)) in enumerate(zip(results, bounds)):
@@ -416,13 +513,26 @@ def check_vocab_cross_entropy(world, fn, tokens=64, vocab=48, dtype="float32",
                      f"(columns {s}..{e - 1})", case=case, **tol,
                      hint="d loss / d z_ij = (softmax_ij - [j == y_i]) / (counted tokens), zero "
                           "for ignored tokens; softmax_ij uses the global max and sum")
+    if tp > 1:
+        itemsize = logits.element_size()
+        most = 3 * tpk.all_reduce_bytes(tokens * itemsize, tp)
+
+        def wire_hint(phase, sent, expected):
+            gathered = tpk.gathered_logits_bytes(tokens, vocab, tp, itemsize)
+            return (f"three all-reduces of N={tokens} values send at most {most:.0f} bytes, "
+                    f"gathering the logits {gathered:.0f}: reduce [N] vectors (max, sum of "
+                    "exponentials, target logit), never the [N, V_r] logits")
+
+        _judge_phases(traffic, case, "vocab_parallel_cross_entropy",
+                      {"forward": (0, 3, most), "backward": (0, 3, most)}, wire_hint)
 
 
 def check_vocab_traffic(world, fn, tokens=512, vocab=256, dtype="float32", timeout=30,
                         max_reductions=4):
     """Bytes per rank do not grow with the vocabulary: the same N with V and 8V sends the same,
     and at most `max_reductions` all-reduces of N values (plus gloo's framing). Gathering the
-    logits sends (t-1)/t x N V b and fails."""
+    logits sends (t-1)/t x N V b and fails. The backward sends nothing (at most 512 B of stray
+    acknowledgements): the mark between loss and backward splits the two."""
     tp = world.size
     if tp == 1:
         return
@@ -452,6 +562,15 @@ def check_vocab_traffic(world, fn, tokens=512, vocab=256, dtype="float32", timeo
                     f"gathering the logits would be {gathered:.0f}; the rank called {ops}: "
                     "reduce [N] vectors (max, sum of exponentials, target logit), never the "
                     "[N, V/t] logits")
+        for rank in range(tp):
+            backward = _phases(traffic, rank)[1]
+            if backward > 512:
+                ops = sorted({r["op"] for r in trace.ops(rank)})
+                raise AssertionError(
+                    f"rank {rank} sent {backward} bytes in the loss's backward [{case}]; the "
+                    f"rank called {ops}: the backward needs no communication: keep what forward "
+                    "reduced (the global max and sum, or the softmax of your columns) with "
+                    "ctx.save_for_backward instead of reducing it again")
         sent[v] = traffic.sent
     for rank in range(tp):
         if sent[8 * vocab][rank] > 1.1 * sent[vocab][rank] + 512:
