@@ -418,3 +418,54 @@ def test_reference_executor_runs_on_a_subgroup_for_chapter_6():
         got = {**results[2 * replica], **results[2 * replica + 1]}
         checks.check(got, pipeline.reference_gradients(0, tokens, targets), f"pipeline {replica}",
                      rtol=1e-9, atol=1e-12)
+
+
+# ---- issue 26: every test cell of tasks 2-4 lost by a wrong answer that keeps the others --------
+
+def _wrong_answers():
+    """tests/grading/wrong_answers/lab05_pipeline_parallel.py: the same wrong answers labkit grade
+    grades (there, two combined submissions; here, one at a time, fast)."""
+    import importlib.util
+    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
+    spec = importlib.util.spec_from_file_location("lab05_wrong_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRONG5 = _wrong_answers()
+TASK_CELLS = {"task2_find_deadlock": ["test_task2_no_false_alarm", "test_task2_cycle"],
+              "task3_run_pipeline": ["test_task3_gradients", "test_task3_messages"],
+              "task4_timeline": ["test_task4_timeline", "test_task4_bubble"]}
+EACH_LOSES = [("task2_find_deadlock", "no_cycle_ever", {"test_task2_cycle"}),
+              ("task2_find_deadlock", "fifo_links", {"test_task2_no_false_alarm"}),
+              ("task3_run_pipeline", "untagged", {"test_task3_gradients"}),
+              ("task3_run_pipeline", "header_messages", {"test_task3_messages"}),
+              ("task4_timeline", "start_and_duration", {"test_task4_timeline"}),
+              ("task4_timeline", "closed_forms", {"test_task4_bubble"})]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grade_id, name, lost", EACH_LOSES, ids=[n for _, n, _ in EACH_LOSES])
+def test_each_wrong_answer_of_tasks_2_to_4_loses_exactly_its_cell(grade_id, name, lost):
+    wrong = getattr(WRONG5, name)(lab_notebooks.answer(LAB, grade_id))
+    outcome = lab_notebooks.run_lab(LAB, TASK_CELLS[grade_id], {grade_id: wrong})
+    assert {cell for cell, error in outcome.items() if error is not None} == lost, (name, outcome)
+
+
+def test_the_new_hidden_cases_are_what_they_claim():
+    """The reordered schedule finishes and its links deliver out of send order; every schedule
+    without a closed form finishes and has a unit-clock bubble off its base's formula."""
+    for p, m, v in ((2, 3, 2), (3, 4, 2), (3, 3, 1)):
+        report = pipeline.check_schedule(lab_checks.reordered(p, m, v), m)
+        assert report.ok and report.link_order, (p, m, v, report)
+    case = checks.Case("variants")
+    for p in (2, 3, 4):
+        one = pipeline.torch_schedule("1F1B", p, p + 1)
+        moved = lab_checks.finishing_variants(case, one, p + 1, count=2)
+        assert len(moved) == 2
+        for schedule in moved:
+            report = pipeline.check_schedule(schedule, p + 1)
+            assert report.ok and report.bubble != pipeline.bubble_formula(p, p + 1)
+            unit = [{"F": 1.0, "B": 2.0}] * p
+            assert bubble_fraction(schedule, p + 1, unit) == pytest.approx(float(report.bubble))

@@ -244,6 +244,29 @@ def deadlocking_variants(case: checks.Case, schedule, m: int, count: int = 3) ->
     return found
 
 
+def finishing_variants(case: checks.Case, schedule, m: int, count: int = 3) -> list:
+    """Up to `count` complete schedules that finish (buffered sends) and whose unit-cost bubble
+    (analysis.check_schedule) differs from `schedule`'s, each made by moving one action of one
+    stage later: schedules with no closed form for their bubble (drawn with the case's
+    generator)."""
+    schedule = normalise(schedule)
+    base = analysis.check_schedule(schedule, m).bubble
+    found, tries = [], 0
+    while len(found) < count and tries < 400:
+        tries += 1
+        k = case.integer(0, len(schedule) - 1)
+        if len(schedule[k]) < 2:
+            continue
+        j = case.integer(0, len(schedule[k]) - 2)
+        to = case.integer(j + 1, len(schedule[k]) - 1)
+        moved = [list(actions) for actions in schedule]
+        moved[k].insert(to, moved[k].pop(j))
+        report = analysis.check_schedule(moved, m)
+        if report.ok and report.bubble != base and moved not in found:
+            found.append(moved)
+    return found
+
+
 # ---- task 3: an executor for any schedule, v chunks per rank -----------------------------------
 
 def _executor_program(share, fn, activation_shape):
@@ -258,7 +281,19 @@ def _executor_program(share, fn, activation_shape):
     return grads
 
 
-SCHEDULES = ("GPipe", "1F1B", "interleaved")
+SCHEDULES = ("GPipe", "1F1B", "interleaved", "reordered")
+
+
+def reordered(p: int, m: int, v: int = 1) -> list:
+    """A complete schedule that finishes whose messages arrive on every link in another order
+    than they were sent (for m >= 2): all forwards chunk by chunk, then all backwards, virtual
+    stage s taking its microbatches in order when s is even and in reverse when s is odd. An
+    executor that does not tag its messages (or posts one receive per link in send order) pairs
+    activation i with microbatch m - 1 - i here; gloo matches by tag, so a tagged one is exact."""
+    order = lambda s: list(range(m)) if s % 2 == 0 else list(range(m - 1, -1, -1))  # noqa: E731
+    return [[Action("F", i, c) for c in range(v) for i in order(c * p + k)]
+            + [Action("B", i, c) for c in reversed(range(v)) for i in order(c * p + k)]
+            for k in range(p)]
 
 
 def executor_case(case: checks.Case, p: int, m: int, v: int = 1, schedule: str = "interleaved"):
@@ -269,7 +304,7 @@ def executor_case(case: checks.Case, p: int, m: int, v: int = 1, schedule: str =
     process's, on the whole batch, computed here."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "interleaved" and v != 1:
+    if schedule not in ("interleaved", "reordered") and v != 1:
         raise ValueError(f"{schedule} runs one chunk per rank: v must be 1, got {v}")
     S = v * p
     layers = max(bench.LAYERS, S)
@@ -280,6 +315,8 @@ def executor_case(case: checks.Case, p: int, m: int, v: int = 1, schedule: str =
         order = schedules.gpipe(p, m)
     elif schedule == "1F1B":
         order = schedules.torch_schedule("1F1B", p, m)
+    elif schedule == "reordered":
+        order = reordered(p, m, v)
     else:
         order = schedules.torch_schedule("Interleaved1F1B", p, m, v)
     plain = plain_schedule(order)
@@ -353,12 +390,42 @@ def check_executor_traffic(world, fn, schedule: str = "interleaved", m: int = 4,
             for q, _ in graph.sends(r, a):
                 messages[r][q] += 1
     data = [[n * message for n in row] for row in messages]
-    checks.expect_traffic(traffic, data, messages, case=case, what="run_pipeline",
-                          hint="each F sends one activation to the rank of the next virtual "
-                          "stage, each B one gradient to the rank of the previous one; with v "
-                          "chunks the last rank's chunk c feeds rank 0's chunk c + 1. Only "
-                          "point-to-point messages of the activation's shape, nothing else")
+    hint = ("each F sends one activation to the rank of the next virtual stage, each B one "
+            "gradient to the rank of the previous one; with v chunks the last rank's chunk c "
+            "feeds rank 0's chunk c + 1. Only point-to-point messages of the activation's shape, "
+            "one per activation and per gradient, nothing else (a header message, a split or "
+            "a merged message changes the count)")
+    checks.expect_traffic(traffic, data, messages, case=case, what="run_pipeline", hint=hint)
+    _expect_messages(traffic, data, messages, case, hint)
     return traffic
+
+
+MESSAGE_SLACK = 40         # bytes; one more gloo message costs GLOO_HEADER_BYTES (96) + its payload
+
+
+def _expect_messages(traffic, data, messages, case, hint) -> None:
+    """One message per activation and per gradient, counted from the bytes: gloo frames each
+    point-to-point message with GLOO_HEADER_BYTES on the sender's socket and GLOO_NOTICE_BYTES on
+    the receiver's (measured exactly, chapter 1), so rank r sends q exactly payload + 96 n(r, q) +
+    48 n(q, r). expect_traffic's framing allowance (160 B per message either way + 256) has room
+    for extra small messages; this does not: one header message more, or two activations in one
+    message, is off by at least 96 bytes."""
+    from labkit.collectives import GLOO_HEADER_BYTES, GLOO_NOTICE_BYTES
+    size, problems = traffic.size, []
+    for r in range(size):
+        for q in range(size):
+            if r == q:
+                continue
+            exact = data[r][q] + GLOO_HEADER_BYTES * messages[r][q] + GLOO_NOTICE_BYTES * messages[q][r]
+            got = traffic.matrix[r][q]
+            if abs(got - exact) > MESSAGE_SLACK:
+                extra = (got - exact) / GLOO_HEADER_BYTES
+                problems.append(f"rank {r} sent {got} bytes to rank {q}, expected {exact} "
+                                f"({messages[r][q]} messages of {data[r][q] // max(1, messages[r][q])} "
+                                f"B, {messages[q][r]} received): about {extra:+.1f} messages")
+    if problems:
+        raise AssertionError(f"run_pipeline: not one message per activation and per gradient"
+                             f"{checks._where(case)}: {'; '.join(problems[:4])}. {hint}")
 
 
 # ---- task 4: the timeline of any schedule, per-stage costs and message time --------------------
