@@ -432,3 +432,102 @@ def test_traffic_bounds_are_the_chapters_three_percent():
     (problem,) = train_checks.traffic_problems(over, expected, 4, 0)
     assert "at most" in problem
     assert train_checks.traffic_problems(exact, expected, 4, 65 * 1024)[0].startswith("a rank sent")
+
+
+# ---- issue 26: every test cell of the lab, failed by a wrong answer that passes the others ---------
+
+import lab_notebooks  # noqa: E402  (tests/chapters is on the path)
+
+TASK1 = ["test_task1_layout", "test_task1_errors", "test_task1_nodes"]
+TASK2 = ["test_task2_step", "test_task2_replicated", "test_task2_tied", "test_task2_traffic"]
+TASK3 = ["test_task3_choice", "test_task3_memory"]
+
+
+def _edit(grade_id, *swaps):
+    source = lab_notebooks.answer(LAB, grade_id)
+    for old, new in swaps:
+        assert old in source, f"the solution changed: {old!r} is gone; update this test"
+        source = source.replace(old, new)
+    return source
+
+
+def _failed(outcome):
+    return {test for test, error in outcome.items() if error is not None}
+
+
+WRONG_CELLS = {   # name: (answer cell, its wrong source, the cells it must fail)
+    # the first axis fastest also puts other ranks in the tp groups: it fails the node cell too
+    "the first axis of the order varies fastest": ("task1_mesh_layout", _edit(
+        "task1_mesh_layout", ("    for axis in reversed(axes):", "    for axis in axes:")),
+        {"test_task1_layout", "test_task1_nodes"}),
+    "the groups sorted by the other axes' coordinates in alphabetical order": ("task1_mesh_layout", _edit(
+        "task1_mesh_layout",
+        ("            lines.setdefault(tuple(c[a] for a in axes if a != axis), []).append(rank)",
+         "            lines.setdefault(tuple(c[a] for a in sorted(axes) if a != axis), []).append(rank)"),
+        ("        groups[axis] = sorted(lines.values())",
+         "        groups[axis] = [group for _, group in sorted(lines.items())]")),
+        {"test_task1_layout"}),
+    # the errors checked only where the product is wrong too passed both of these before
+    "an axis named twice is let through": ("task1_mesh_layout", _edit(
+        "task1_mesh_layout", ("    if sorted(axes) != sorted(degrees) or len(set(axes)) != len(axes):",
+                              "    if set(axes) != set(degrees):")),
+        {"test_task1_errors"}),
+    "degrees checked by `< 1` only (a float 2.0 passes)": ("task1_mesh_layout", _edit(
+        "task1_mesh_layout", ("        if isinstance(size, bool) or not isinstance(size, int) or size < 1:",
+                              "        if size < 1:")),
+        {"test_task1_errors"}),
+    "no node check": ("task1_mesh_layout", _edit(
+        "task1_mesh_layout", ('    if gpus_per_node is not None and "tp" in degrees:', "    if False:")),
+        {"test_task1_nodes"}),
+    # every hidden case had its optimum at ZeRO-1 before: a search of one stage passed
+    "the search restricted to ZeRO-1": ("task3_choose_config", _edit(
+        "task3_choose_config", ("                for stage in range(4):", "                for stage in (1,):")),
+        {"test_task3_choice"}),
+    "the memory limit ignored": ("task3_choose_config", _edit(
+        "task3_choose_config", ("memory_limit=memory_limit)", "memory_limit=None)")),
+        {"test_task3_memory"}),
+}
+
+
+def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
+    assert not _failed(lab_notebooks.run_lab(LAB, TASK1 + TASK3)), "the solution fails a cell"
+    for name, (grade_id, source, fails) in WRONG_CELLS.items():
+        cells = TASK1 if grade_id.startswith("task1") else TASK3
+        outcome = lab_notebooks.run_lab(LAB, cells, {grade_id: source})
+        assert _failed(outcome) == fails, f"{name}: {outcome}"
+
+
+# Plain data parallelism where ZeRO-1 is required: the gradients all-reduced over dp and a whole
+# optimizer on every rank. Same values, same bytes (ZeRO paper, section 7); it passed every cell
+# until the traffic cell judged the state each rank's optimizer holds.
+PLAIN_DATA_PARALLEL = _edit(
+    "task2_train_3d",
+    ("    zero1 = mesh.Zero1(stage.parameters(), dp_group, optimizer)\n",
+     "    params = [p for p in stage.parameters() if p.requires_grad]\n"
+     "    master = torch.cat([mesh.local(p).detach().reshape(-1) for p in params]).clone()\n"
+     "    master.requires_grad_(True)\n"
+     "    whole = mesh.model.make_optimizer([master], optimizer)   # all of it, on every rank\n"),
+    ("        zero1.step(scale=1.0)                  # reduce-scatter over dp (a sum), step, all-gather\n"
+     "        zero1.zero_grad()\n",
+     "        with torch.no_grad():\n"
+     "            flat = torch.cat([(mesh.local(p.grad) if p.grad is not None\n"
+     "                               else torch.zeros_like(mesh.local(p))).reshape(-1) for p in params])\n"
+     "            dist.all_reduce(flat, group=dp_group)                # [N]: the whole gradient\n"
+     "            master.grad = flat\n"
+     "            whole.step()\n"
+     "            master.grad = None\n"
+     "            offset = 0\n"
+     "            for p in params:\n"
+     "                t = mesh.local(p)\n"
+     "                t.copy_(master[offset:offset + t.numel()].view_as(t))\n"
+     "                offset += t.numel()\n"
+     "        for p in params:\n"
+     "            p.grad = None\n"))
+
+
+@pytest.mark.timeout(600)
+def test_plain_data_parallelism_fails_only_the_traffic_cell():
+    outcome = lab_notebooks.run_lab(LAB, TASK2, {"task2_train_3d": PLAIN_DATA_PARALLEL})
+    assert _failed(outcome) == {"test_task2_traffic"}, outcome
+    assert "not ZeRO-1 over dp" in str(outcome["test_task2_traffic"])
+    labkit.shutdown_all()

@@ -110,8 +110,12 @@ def _expect_value_error(fn, args, what, must_mention=()):
 
 def check_layout_errors(fn, case=None) -> None:
     """Bad inputs raise ValueError: a world size that is not the product (the message names every
-    factor, "world size (8) != dp (2) x tp (2) x pp (3)"), a degree below 1, an order that is not
-    the axes once each, nodes that do not divide the world."""
+    factor, "world size (8) != dp (2) x tp (2) x pp (3)"), a degree that is not a positive int, an
+    order that is not the axes once each, nodes that do not divide the world. Each bad degree and
+    order but the first comes with the *right* product (a float 2.0, two negative degrees, an axis
+    of size 1 left out or named twice), so a validator that only compares the product with the
+    world size is caught; and the same degrees, laid out right, are accepted (a function that
+    always raises earns nothing here)."""
     case = case or checks.Case("lab 6, task 1: errors")
     dp, tp, pp = (case.integer(2, 4) for _ in range(3))
     degrees = {"dp": dp, "tp": tp, "pp": pp}
@@ -120,11 +124,29 @@ def check_layout_errors(fn, case=None) -> None:
                         f"mesh_layout({wrong}, {degrees}, ...) [{case}]",
                         [f"({wrong})", f"dp ({dp})", f"tp ({tp})", f"pp ({pp})"])
     size = dp * tp * pp
+    try:                                    # the ordinary case: accepted (its layout is cell 1's)
+        fn(size, dict(degrees), ["tp", "dp", "pp"], None)
+    except Exception as error:
+        raise AssertionError(f"mesh_layout({size}, {degrees}, ['tp', 'dp', 'pp']) raised "
+                             f"{type(error).__name__}: {error}, but that input is good: refuse "
+                             f"only what is wrong [{case}]") from None
     _expect_value_error(fn, (size, dict(degrees, tp=0), ["dp", "pp", "tp"], None),
                         "a degree of 0")
+    _expect_value_error(fn, (size, dict(degrees, tp=float(tp)), ["dp", "pp", "tp"], None),
+                        f"mesh_layout({size}, tp={float(tp)}): a degree that is not an int, with "
+                        f"the right product [{case}]")
+    _expect_value_error(fn, (size, dict(degrees, dp=-dp, tp=-tp), ["dp", "pp", "tp"], None),
+                        f"mesh_layout({size}, dp={-dp}, tp={-tp}): negative degrees whose product "
+                        f"is the world size [{case}]")
     _expect_value_error(fn, (size, degrees, ["dp", "tp"], None), "an order without pp")
+    _expect_value_error(fn, (dp * tp, dict(degrees, pp=1), ["dp", "tp"], None),
+                        f"mesh_layout({dp * tp}, pp=1, order ['dp', 'tp']): an order without "
+                        f"pp, with the right product [{case}]")
     _expect_value_error(fn, (size, degrees, ["dp", "pp", "tp", "tp"], None),
                         "tp twice in the order")
+    _expect_value_error(fn, (dp * pp, dict(degrees, tp=1), ["dp", "pp", "tp", "tp"], None),
+                        f"mesh_layout({dp * pp}, tp=1, order ['dp', 'pp', 'tp', 'tp']): an axis "
+                        f"named twice, with the right product [{case}]")
     _expect_value_error(fn, (size, degrees, ["dp", "pp", "ep"], None), "an order naming ep, not tp")
     if size % 5:
         _expect_value_error(fn, (size, degrees, ["dp", "pp", "tp"], 5),
@@ -143,7 +165,20 @@ def check_tp_inside_nodes(fn, size, degrees, order, gpus_per_node):
     if crosses:
         return _expect_value_error(fn, (size, dict(degrees), list(order), gpus_per_node),
                                    f"{what}, whose tp groups cross nodes", ["tp"])
-    return check_layout(fn, size, degrees, order, gpus_per_node, what)
+    try:
+        value = fn(size, dict(degrees), list(order), gpus_per_node)
+    except Exception as error:
+        raise AssertionError(f"{what} raised {type(error).__name__}: {error}, but every tp group "
+                             "lies inside a node") from None
+    coords, groups = _returned_layout(value, size, degrees)
+    # this cell judges which ranks share a tp group (what the node check is about); the order of
+    # the groups and the other axes are the layout cell's
+    expected = sorted([start + i * strides["tp"] for i in range(degrees["tp"])]
+                      for start in range(size) if (start // strides["tp"]) % degrees["tp"] == 0)
+    if sorted(sorted(g) for g in groups["tp"]) != expected:
+        raise AssertionError(f"{what}: the tp groups are {groups['tp']}, expected {expected} "
+                             "(in any order)")
+    return {"coords": coords, "groups": groups}
 
 
 def random_layouts(case, count=6, max_size=48):
@@ -166,8 +201,27 @@ def random_layouts(case, count=6, max_size=48):
 
 
 def _train_program(share, fn, dims, seed, optimizer, tied):
+    """fn on this rank, and what every torch optimizer it stepped held: {"weights": fn's result,
+    "held": [parameter elements, per-element state elements]} summed over the optimizers (each
+    counted at its last step; torch's global step hook sees every torch.optim optimizer)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
     from labkit.mesh.model import device_mesh
-    return fn(share, device_mesh(dims), seed, optimizer=optimizer, tied=tied)
+    held = {}
+
+    def count(opt, args, kwargs):
+        params = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        state = sum(t.numel() for s in opt.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        held[id(opt)] = (params, state)
+
+    hook = register_optimizer_step_post_hook(count)
+    try:
+        weights = fn(share, device_mesh(dims), seed, optimizer=optimizer, tied=tied)
+    finally:
+        hook.remove()
+    return {"weights": weights, "held": [sum(h[0] for h in held.values()),
+                                         sum(h[1] for h in held.values())]}
 
 
 from labkit.mesh.train_checks import (check_train_3d, check_train_3d_traffic,  # noqa: E402,F401

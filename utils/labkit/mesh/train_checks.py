@@ -22,7 +22,8 @@ counter kept the sockets of a rank's forked children and of connections closed i
 (`runtime/traffic.py`), a relation could come up half short, and this checker allowed that.
 A dodge (no pipeline, no tensor parallelism, whole gradients exchanged) is off by far more.
 ZeRO-1 moves the bytes plain data parallelism moves (ZeRO paper, section 7): traffic cannot tell
-them apart and does not try.
+them apart, so the traffic check also judges the state each rank's optimizer held, on the same run
+(`state_problems`: at most 1/dp of the rank's local tensors, and AdamW's two moments of those).
 """
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def _run(world, fn, run, timeout, case):
     with world.traffic() as traffic:
         results = world.run_each(_train_program, run["shares"], fn, run["dims"], run["seed"],
                                  run["optimizer"], run["tied"], timeout=timeout)
-    return checks.one_result_per_rank(results, world.size, case, "train_3d"), traffic
+    results = checks.one_result_per_rank(results, world.size, case, "train_3d")
+    run["held"] = [r["held"] for r in results]          # the optimizers' elements, per rank
+    return [r["weights"] for r in results], traffic
 
 
 def _diagnose(results, run, reference, initial) -> str:
@@ -215,6 +218,32 @@ def traffic_problems(measured: dict, expected: dict, size: int, outside: float) 
     return problems
 
 
+def local_elements(dims, rank, tied=False) -> int:
+    """N: the elements of rank's local tensors (its stage's parameters, tp shards by 1/tp)."""
+    dp, pp, tp = dims
+    stage = layout.coordinates(rank, dp, pp, tp)["pp"]
+    piece = model.Stage(model.make_model(0, tied=tied), stage, pp)
+    return sum(p.numel() // (tp if model.split_dim(n) is not None else 1)
+               for n, p in piece.named())
+
+
+def state_problems(run) -> list:
+    """ZeRO-1 is the construction: each rank's optimizer holds 1/dp of its local tensors
+    (ceil(N/dp) master elements, AdamW's m and v for those only; `Zero1.state_elements`). Plain
+    data parallelism moves the same bytes and holds N and 2N: only the state tells them apart.
+    The counts come from torch's optimizer step hook on each rank (`checks._train_program`)."""
+    dp = run["dims"][0]
+    problems = []
+    for rank, (params, state) in enumerate(run["held"]):
+        numel = local_elements(run["dims"], rank, run["tied"])
+        shard = math.ceil(numel / dp)
+        if params > shard or state > 2 * shard:
+            problems.append(f"rank {rank}'s optimizer held {params} parameter elements and "
+                            f"{state} of state, at most {shard} and {2 * shard} expected "
+                            f"(1/dp = 1/{dp} of its {numel} local elements, rounded up)")
+    return problems
+
+
 def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=True, timeout=180,
                            case=None):
     """The bytes of one run of fn between every pair of ranks, counted outside the ranks, by
@@ -231,6 +260,13 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
             if a != b:
                 measured[_relation(a, b, run["dims"])] += traffic.matrix[a][b]
     problems = traffic_problems(measured, expected_bytes(run), world.size, max(traffic.outside))
+    held = state_problems(run)
+    if held:
+        raise AssertionError(f"train_3d at dims {run['dims']}: not ZeRO-1 over dp [{case}]: "
+                             + "; ".join(held) + ". Plain data parallelism (an all-reduce and a "
+                             "whole optimizer on every rank) sends the same bytes; step with "
+                             "mesh.Zero1(stage.parameters(), dp_group, optimizer), which keeps "
+                             "1/dp of the optimizer state on each rank.")
     if problems:
         raise AssertionError(f"train_3d at dims {run['dims']}: the traffic between ranks is not "
                              f"what a 3D step sends [{case}]: " + "; ".join(problems)
