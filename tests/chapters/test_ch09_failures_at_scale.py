@@ -361,3 +361,113 @@ def test_guarded_stream_is_guarded_train_on_the_same_batches():
         assert torch.equal(a["weights"], b["weights"])
         assert (a["rollbacks"], a["quarantined"]) == (b["rollbacks"], b["quarantined"]) \
             and a["quarantined"] == [16]
+
+
+# ---- issue 26: every test cell of lab 9 has a wrong answer that fails exactly it --------------
+# The lab's own test cells (visible and hidden lines) run outside nbgrader (lab_notebooks.run_lab)
+# against the solution with one answer cell replaced by text replacements of its source.
+
+import lab_notebooks                                                    # noqa: E402
+
+TASK1_CELLS = ["test_task1_no_alarm", "test_task1_straggler", "test_task1_missing",
+               "test_task1_hot_expert"]
+TASK2_CELLS = ["test_task2_clean_stream", "test_task2_spike_rolled_back"]
+TASK3_CELLS = ["test_task3_accepts", "test_task3_refuses"]
+
+
+def lab9_wrong(grade_id, *replacements):
+    """The solution's answer cell `grade_id` with (old, new) replacements (each must occur)."""
+    source = lab_notebooks.answer(LAB, grade_id)
+    for old, new in replacements:
+        assert old in source, f"{old!r} not in the reference answer of {grade_id}"
+        source = source.replace(old, new)
+    return {grade_id: source}
+
+
+DIAGNOSE_RETURN = '    return {"straggler": straggler, "missing": missing, "hot_expert": hot}'
+NEVER_FIRES_DIAGNOSE = [(DIAGNOSE_RETURN,
+                         '    return {"straggler": None, "missing": None, "hot_expert": None}')]
+SNAPSHOT_STEP = ("        self.history.append(norm)\n"
+                 "        if (step + 1) % self.snapshot_every == 0:     # the state after a normal "
+                 "step\n")
+WRONG_LAB9 = {
+    # name: (answers, the cells it must fail)
+    "calls the busiest expert hot, however even the routing": (
+        lab9_wrong("task1_diagnose", ("hot = detect.hot_expert(total)",
+                                      "hot = detect.hot_expert(total, ratio=1.0)")),
+        {"test_task1_no_alarm"}),
+    "never names a straggler": (
+        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
+            '"straggler": straggler', '"straggler": None'))), {"test_task1_straggler"}),
+    "never names a missing rank": (
+        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
+            '"missing": missing', '"missing": None'))), {"test_task1_missing"}),
+    "never names a hot expert": (
+        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
+            '"hot_expert": hot', '"hot_expert": None'))), {"test_task1_hot_expert"}),
+    "never fires at all (no false alarm, no use)": (
+        lab9_wrong("task1_diagnose", *NEVER_FIRES_DIAGNOSE), set(TASK1_CELLS)),
+    "retries every step above 1.5x once (false alarms undone exactly, but alarms)": (
+        lab9_wrong("task2_spike_guard", ("        norm = stats[\"grad_norm\"]\n",
+                                         "        norm = stats[\"grad_norm\"]\n"
+                                         "        self.retried = getattr(self, 'retried', set())\n"
+                                         "        if batch_id not in self.retried and "
+                                         "detect.window_spike(self.history, norm, factor=1.5) "
+                                         "and not detect.window_spike(self.history, norm, "
+                                         "factor=detect.SPIKE_FACTOR):\n"
+                                         "            self.retried.add(batch_id)\n"
+                                         "            back, state, history = self.good\n"
+                                         "            spikes.restore(self.model, self.optimizer, "
+                                         "state)\n"
+                                         "            self.history = list(history)\n"
+                                         "            return back\n")),
+        {"test_task2_clean_stream"}),
+    "snapshots before checking the step (a spike on the schedule is saved)": (
+        lab9_wrong("task2_spike_guard",
+                   ("        norm = stats[\"grad_norm\"]\n",
+                    "        norm = stats[\"grad_norm\"]\n"
+                    "        if (step + 1) % self.snapshot_every == 0:\n"
+                    "            self.good = (step + 1, spikes.snapshot(self.model, "
+                    "self.optimizer), list(self.history))\n"),
+                   (SNAPSHOT_STEP, "        self.history.append(norm)\n        if False:\n")),
+        {"test_task2_spike_rolled_back"}),
+    "never fires (a clean stream is all it passes)": (
+        lab9_wrong("task2_spike_guard", ("        norm = stats[\"grad_norm\"]\n",
+                                         "        return None\n")), set(TASK2_CELLS)),
+    "per-rank batch from the old world size": (
+        lab9_wrong("task3_validate_resume", ('"per_rank_batch": B // size',
+                                             '"per_rank_batch": B // old_size')),
+        {"test_task3_accepts"}),
+    "compares the tokenizer's name and size, not its hash": (
+        lab9_wrong("task3_validate_resume", ('if run["tokenizer"] != snapshot["tokenizer"]:',
+                                             'if (run["tokenizer"]["name"], run["tokenizer"]['
+                                             '"vocab_size"]) != (snapshot["tokenizer"]["name"], '
+                                             'snapshot["tokenizer"]["vocab_size"]):')),
+        {"test_task3_refuses"}),
+    "refuses everything (names every field)": (
+        lab9_wrong("task3_validate_resume", ('    step, B, old_size = snapshot["step"]',
+                                             '    raise ValueError("tokenizer, data mixture, seed, '
+                                             'cursor, global batch and world size checked")\n'
+                                             '    step, B, old_size = snapshot["step"]')),
+        set(TASK3_CELLS)),
+}
+
+
+def _lab9_cells(answers):
+    task = next(iter(answers))
+    return {"task1_diagnose": TASK1_CELLS, "task2_spike_guard": TASK2_CELLS,
+            "task3_validate_resume": TASK3_CELLS}[task]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", WRONG_LAB9)
+def test_each_wrong_answer_fails_exactly_its_cells(name):
+    answers, expected = WRONG_LAB9[name]
+    outcome = lab_notebooks.run_lab(LAB, _lab9_cells(answers), answers)
+    failed = {cell for cell, error in outcome.items() if error is not None}
+    assert failed == expected, {cell: repr(error)[:300] for cell, error in outcome.items()}
+
+
+def test_every_test_cell_of_lab9_is_failed_alone_by_some_wrong_answer():
+    alone = {next(iter(cells)) for _, cells in WRONG_LAB9.values() if len(cells) == 1}
+    assert alone == set(TASK1_CELLS + TASK2_CELLS + TASK3_CELLS)

@@ -76,7 +76,8 @@ def _hiccups(case, size, steps, count):
 
 def check_no_alarm(world, diagnose, steps=12, hiccups=2, experts=0, seed=None):
     """A healthy run, with `hiccups` one-off pauses of 0.15-0.3 s: no straggler, no missing rank,
-    no hot expert."""
+    no hot expert; and the same trace with a fault written into it (a rank cut off before a
+    step's all-reduce, an expert given half the tokens) must raise some alarm."""
     case = base.Case(f"{TASK1}: a healthy run of {steps} steps on {world.size} ranks with "
                      f"{hiccups} hiccups", seed)
     trace = traces.record_run(world, steps=steps,
@@ -87,7 +88,59 @@ def check_no_alarm(world, diagnose, steps=12, hiccups=2, experts=0, seed=None):
     _expect(got, dict.fromkeys(KEYS), case, "a healthy run (nothing is wrong in it)",
             dict(HINTS, straggler="this run has no straggler, only a few one-off pauses: the "
                  "slowest rank of a healthy run is not a straggler. " + HINTS["straggler"]))
+    # Silence is not specificity (issue 26, class 3): the same run with a fault written into its
+    # trace (a rank that stops before a step's all-reduce; one expert given half the tokens) must
+    # raise some alarm. Any key counts, so a detector that misses one kind of fault loses only
+    # that kind's cell, and one that never fires loses this one too.
+    rank, step = case.integer(0, world.size - 1), case.integer(steps // 2, steps - 1)
+    hot = case.integer(0, 7)
+    alarms = {}
+    for what, faulty in ((f"rank {rank} stops before step {step}'s all-reduce",
+                          with_missing_rank(trace, rank, step)),
+                         (f"expert {hot} gets half the tokens", with_hot_expert(trace, hot))):
+        verdict = _verdict(diagnose, faulty, case, f"the same run where {what}")
+        alarms[what] = {k: v for k, v in verdict.items() if v is not None}
+    if not any(alarms.values()):
+        raise AssertionError(f"diagnose raised no alarm on the same healthy run with a fault "
+                             f"written into its trace ({'; '.join(alarms)}) [{case}]; a detector "
+                             "that never fires has no false alarms and no use: "
+                             + HINTS["missing"])
     return got
+
+
+def with_missing_rank(trace, rank, step):
+    """The trace as if `rank` had stopped before step `step`'s gradient all-reduce: every rank's
+    record ends in that step, the others inside its collective (never left), the rank without
+    it. Plain data from a real run, cut; the clocks stay as they were."""
+    ranks = []
+    for r in trace["ranks"]:
+        kept = [dict(c) for c in r["collectives"] if c["step"] < step]
+        if r["rank"] != rank:
+            entered = [dict(c, leave=None) for c in r["collectives"]
+                       if c["step"] == step and c["what"] == "grads"]
+            kept += entered[:1]
+        loads = r.get("expert_tokens")
+        ranks.append(dict(r, step_start=list(r["step_start"][:step + 1]),
+                          step_end=list(r["step_end"][:step]) + [None], collectives=kept,
+                          expert_tokens=None if loads is None else [list(x) for x in loads[:step]]))
+    return dict(trace, ranks=ranks)
+
+
+def with_hot_expert(trace, hot, experts=8):
+    """The trace with expert `hot` given half of every step's tokens (the others share the rest
+    evenly); a run without experts gets `experts` of them."""
+    ranks = []
+    for r in trace["ranks"]:
+        loads = r.get("expert_tokens") or [[traces.TOKENS_PER_RANK * trace["world_size"]
+                                            // experts] * experts for _ in r["step_end"]]
+        rows = []
+        for counts in loads:
+            n, total = len(counts), sum(counts)
+            row = [(total - total // 2) // max(n - 1, 1)] * n
+            row[hot % n] = total // 2
+            rows.append(row)
+        ranks.append(dict(r, expert_tokens=rows))
+    return dict(trace, ranks=ranks)
 
 
 def check_straggler(world, diagnose, steps=12, delay=0.2, hiccups=1, seed=None):
@@ -140,9 +193,14 @@ def check_hot_expert(world, diagnose, steps=6, experts=8, seed=None):
 GUARD_TOLERANCE = 1e-4     # weights: float noise of the same steps ~1e-6; a wrong stream ~1e-2
 
 
-def _stream_plan(case, steps, bad_count):
+def _stream_plan(case, steps, bad_count, snapshot_every=None):
     """Hard batches (text read backwards) every 5-9 ids; `bad_count` bad ids after the first 15
-    steps, not adjacent."""
+    steps, not adjacent. With `snapshot_every`, the bad batches fall on the snapshot schedule on
+    purpose (issue 26, class 4): the first is drawn at a step s with (s + 1) % snapshot_every == 0
+    (the step after which a snapshot is due), the second at s % snapshot_every == 0, the two
+    usual ways to write the schedule; the i-th bad batch is drawn at step id - i (each earlier one
+    was quarantined). A guard that takes its snapshot before checking the step then saves the
+    damaged state and rolls back to it: a random draw caught that on 1 case in snapshot_every."""
     hard, i = [], case.integer(3, 8)
     while i < steps + 10:
         hard.append(i)
@@ -150,6 +208,12 @@ def _stream_plan(case, steps, bad_count):
     bad = []
     while len(bad) < bad_count:
         b = case.integer(15, steps - 8)
+        if snapshot_every and len(bad) < 2:
+            step = b - len(bad)
+            residue = (snapshot_every - 1, 0)[len(bad)]
+            b += (residue - step) % snapshot_every
+            if b > steps - 4:
+                continue
         if all(abs(b - other) > 4 for other in bad):
             bad.append(b)
     hard = [h for h in hard if h not in bad]
@@ -245,7 +309,8 @@ def _compare_weights(got, reference, case, what, hint):
 def check_guard_clean(world, SpikeGuard, steps=40, snapshot_every=5, timeout=120, seed=None):
     """A stream of clean batches, with hard ones every 5-9 steps (text read backwards: the
     gradient norm up to ~2x the mean of the recent steps): the guard must never fire, and
-    training must equal training without a guard."""
+    training must equal training without a guard; and on a short stream with one bad batch the
+    same guard must fire (a guard that never fires is not specific, it is silent)."""
     case = base.Case(f"{TASK2}: a clean stream of {steps} steps on {world.size} ranks", seed)
     plan = _stream_plan(case, steps, 0)
     reference, got = _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout)
@@ -259,6 +324,23 @@ def check_guard_clean(world, SpikeGuard, steps=40, snapshot_every=5, timeout=120
                 "ordinary noise")
     _compare_weights(got, reference, case, "a clean stream", "with no rollback, after_step must "
                      "change nothing: did it alter the model or the optimizer?")
+    # Silence is not specificity (issue 26, class 3): the same guard, on a short stream with one
+    # bad batch, must fire (quarantine something or roll back). Whether it undoes the update
+    # exactly is the next cell's; a guard that never fires loses this one too.
+    short = 24
+    spiked = _stream_plan(case, short, 1)
+    fired = world.run_each(guarded_stream, stream_shares(case.integer(0, 10 ** 6), short, spiked,
+                                                         world.size),
+                           SpikeGuard, {"snapshot_every": snapshot_every}, timeout=timeout)
+    base.one_result_per_rank(fired, world.size, case, "training with your SpikeGuard")
+    for rank, result in enumerate(fired):
+        if not isinstance(result, dict) or not (result.get("rollbacks") or
+                                                result.get("quarantined")):
+            raise AssertionError(
+                f"rank {rank}: your guard never fired on a stream with a bad batch (id "
+                f"{spiked['bad'][0]}, gradient norm tens of times the recent mean) [{case}]; a "
+                "guard that never fires has no false alarms and no use: flag a step whose "
+                "gradient norm is far above the recent accepted ones")
     return got
 
 
@@ -269,7 +351,7 @@ def check_guard_spike(world, SpikeGuard, steps=40, bad=1, snapshot_every=5, time
     without them (the rollback undid every update they caused)."""
     case = base.Case(f"{TASK2}: {bad} bad batch(es) in {steps} steps on {world.size} ranks, "
                      f"a snapshot every {snapshot_every} steps", seed)
-    plan = _stream_plan(case, steps, bad)
+    plan = _stream_plan(case, steps, bad, snapshot_every)
     reference, got = _run_guard(world, SpikeGuard, case, steps, plan, snapshot_every, timeout)
     for rank, result in enumerate(got):
         if result["quarantined"] != plan["bad"]:

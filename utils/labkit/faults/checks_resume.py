@@ -65,9 +65,20 @@ def run_of(snapshot: dict, world_size: int | None = None) -> dict:
 
 def mismatch(case, kind: str):
     """(snapshot, run) that differ in `kind` only (one of WORDS)."""
+    return mismatch_pair(case, kind)[:2]
+
+
+def mismatch_pair(case, kind: str):
+    """(snapshot, run, good snapshot, good run): a resume that differs in `kind` only, and the
+    compatible resume it was made from."""
     snap = draw_snapshot(case)
     while kind in ("world_size", "rank_cursors") and snap["global_batch"] < 2:
         snap = draw_snapshot(case)
+    good = (copy.deepcopy(snap), run_of(snap))
+    return _mismatch(case, kind, snap) + good
+
+
+def _mismatch(case, kind, snap):
     if kind == "seed":
         run = run_of(snap)
         run["data"]["seed"] += case.integer(1, 100)
@@ -148,10 +159,22 @@ def check_accepts(validate_resume, cases=6, seed=None):
 
 
 def check_refuses(validate_resume, kinds=("tokenizer", "cursor", "world_size"), seed=None):
-    """For each kind: a resume that differs in that only must raise ValueError naming it."""
+    """For each kind: a resume that differs in that only must raise ValueError naming it, and the
+    compatible resume it was made from (the same snapshot before the change, its own run) must
+    be accepted on the same call (issue 26, class 3: a validator that always raises refuses
+    everything and plans nothing). Only the acceptance is required here; the plan's values are
+    check_accepts's."""
     case = base.Case(f"{TASK3}: resumes that must be refused ({', '.join(kinds)})", seed)
     for kind in kinds:
-        snap, run = mismatch(case, kind)
+        snap, run, good_snap, good_run = mismatch_pair(case, kind)
+        try:
+            validate_resume(good_snap, good_run)
+        except ValueError as error:
+            raise AssertionError(f"validate_resume refused a compatible resume (the one the "
+                                 f"{kind} mismatch below was made from: same world size, same "
+                                 f"tokenizer, data and cursor): {error} [{case}]; refuse only "
+                                 "what differs: a validator that refuses everything protects "
+                                 "nothing") from None
         try:
             plan = validate_resume(snap, run)
         except ValueError as error:
