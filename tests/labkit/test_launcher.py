@@ -404,3 +404,19 @@ def test_a_rank_that_finished_while_another_still_computes_is_no_deadlock():
 
     world = labkit.world(2, timeout=20)
     assert world.run(one_slow_rank) == [0, 1]
+
+
+def test_a_failing_rank_under_torchrun_exits_1_with_its_traceback(tmp_path):
+    """labkit's torchrun entry on an exception: the traceback, then exit code 1 through os._exit
+    (never the interpreter's finalization, which can abort with gloo's threads alive: -6)."""
+    import subprocess
+    import sys
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-m", "labkit.tools.cli", "torchrun", "--nproc-per-node",
+                           "2", "--backend", "gloo", "ranks_code:raises_on", "1"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": tests_dir})
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text[-2000:]
+    assert "Traceback" in text and "exitcode: 1" in text, text[-3000:]
+    assert "exitcode: -6" not in text and "terminate called" not in text, text[-3000:]

@@ -17,6 +17,7 @@ import importlib
 import os
 import subprocess
 import sys
+import traceback
 
 
 def add_arguments(parser):
@@ -93,12 +94,19 @@ def entry(argv):
     try:
         result = function(*[_literal(a) for a in options.args])
     except BaseException:
-        dist.destroy_process_group()   # the peers fail on their own; torchrun sees the error
-        raise
+        # the peers fail on their own; torchrun sees the traceback and exit code 1. No
+        # interpreter finalization: it could abort with gloo's threads alive (worker.leave_group)
+        traceback.print_exc()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        _worker.exit_now(1)
     print(f"[rank {rank}] result: {result!r}", flush=True)
-    # the end in a defined order: a barrier, destroy_process_group, the store's host (rank 0,
-    # which created the TCPStore from MASTER_PORT) last, then os._exit after flushing; a plain
-    # interpreter exit once aborted rank 0 here under load (issue 25; worker.leave_group)
+    # the end in a defined order: a barrier, destroy_process_group, the store's host last (rank 0
+    # hosts the TCPStore when TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as chapter 9's job sets; else
+    # torchrun's agent does), then os._exit after flushing, never the interpreter's finalization,
+    # which aborted rank 0 here under load (issue 25; the mechanism is in worker.leave_group)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     _worker.leave_group(rank=rank, world_size=dist.get_world_size(), host_rank=0,

@@ -291,15 +291,23 @@ def leave_group(store=None, rank=None, world_size=None, host_rank=None, key="lab
 
     1. a barrier (bounded by `seconds`): no rank tears its sockets down while a peer still
        talks to it (a gloo pair closed with data in flight resets the peer's connection);
-    2. destroy_process_group: every gloo worker and loop thread is joined here, while the
-       interpreter is whole;
+    2. destroy_process_group: gloo's worker and loop threads are joined here, while the
+       interpreter is whole, when nothing else holds the group (not always: see below);
     3. the rank that hosts the TCPStore (`host_rank`, rank 0 under torchrun) leaves last: the
        others add 1 to `key` in the store, the host waits (bounded) until all have.
 
-    The caller then ends the process with `os._exit` after flushing (`exit_now`), so no C++
-    object that owns a thread (gloo's, the store's) is destroyed by the interpreter's
-    finalization or by static destructors while its thread still runs: "terminate called
-    without an active exception" is what a joinable std::thread destroyed that way prints.
+    The caller then ends the process with `os._exit` after flushing (`exit_now`): the
+    interpreter's finalization never runs. The abort it prevents (seen in a core dump, torch 2.13.0,
+    Python 3.11): gloo's worker thread (`ProcessGroupGloo::runLoop`) drops its reference to a
+    finished work, the work's destructor drops the last reference to a tensor that has a Python
+    object, that needs the GIL, and a thread that asks for the GIL once finalization has begun is
+    ended by `pthread_exit`; its forced unwind meets a noexcept C++ frame and calls
+    std::terminate ("terminate called without an active exception", SIGABRT). The threads can
+    still be there after destroy_process_group: importing torch._dynamo after init (torch's AdamW
+    does, on its first construction) takes references to the default group that the destroy does
+    not drop, so the group and its threads live on into finalization. Under load the worker is
+    preempted between completing a work and releasing it, and the main thread gets there first.
+    tests/stress/stress_lifecycle.py's `exit` mode counts it.
     Never raises: leaving is best effort, and the peers' own deadlines bound it."""
     from datetime import timedelta
     import time as _time
