@@ -360,6 +360,19 @@ def test_task1_a_wrong_answer_loses_exactly_its_cell(name, ref, world3):
             run_task1(other, ns, world3, seed=82)
 
 
+@pytest.mark.timeout(300)
+def test_task1_a_collect_that_removes_nothing_loses_the_crash_cell_too(ref, world3):
+    """Issue 26, class 3: a collect that returns at once tears nothing, so it passed the crash
+    trials (it lost only retention and leases); now the trials also require that a collect that
+    returned left at most `keep` verified snapshots published."""
+    ns = wrong(TASK1, ref, ("    names = sorted(os.listdir(folder))\n",
+                            "    return []\n    names = sorted(os.listdir(folder))\n"))
+    for check, message in (("crash", "removes nothing"), ("retention", "newest"),
+                           ("leases", "lease|removed|still")):
+        with pytest.raises(AssertionError, match=message):
+            run_task1(check, ns, world3, seed=83)
+
+
 TASK2 = "task2_zero1_resume"
 WRONG_TASK2 = {
     "forgets the data cursor": [("    trainer.data.position = parts[0][\"data\"][\"position\"]\n", "")],
@@ -415,6 +428,9 @@ def test_task2_rejects_a_reshard_that_ignores_the_layout(ref):
         checks_resume.check_zero1_reshard(lambda n: labkit.world(n, teaching=False),
                                           own_range["capture_zero1"], own_range["restore_zero1"],
                                           saved_on=3, loaded_on=(2,))
+    # ... and keeps the same world size's cell (its own range is the right one there)
+    checks_resume.check_zero1_resume(labkit.world(2, teaching=False), own_range["capture_zero1"],
+                                     own_range["restore_zero1"])
 
 
 TASK3 = "task3_async_checkpointer"

@@ -307,7 +307,9 @@ def check_collect_crash_trials(world, collect, trials=40, keep=2, timeout=300, c
     """Task 1 (crash trials): each trial saves a snapshot (the course's store) then collects
     (yours); the save or the collect is SIGKILLed at a chosen point. After every trial the
     newest snapshot that verified before the collect still verifies, and no snapshot that
-    verified is left published while its shards are gone or changed (torn). Returns counts."""
+    verified is left published while its shards are gone or changed (torn); and after every
+    collect that returned, at most `keep` verified snapshots are published (a collect that never
+    removes anything cannot tear one either). Returns counts."""
     case = case or base.Case("lab 8, task 1: crash trials")
     P = world.size
     start_ids = [snapshot_id(i) for i in (1, 2, 3)]
@@ -355,6 +357,15 @@ def check_collect_crash_trials(world, collect, trials=40, keep=2, timeout=300, c
                     f"shards are gone or changed [{case}]: a loader that trusts a published "
                     "manifest loads it torn. Unpublish first (unlink the manifest, fsync the "
                     "folder), then remove the shards and the folder")
+            if record["collect"][0] == "ok" and len(good_after) > keep:
+                # issue 26, class 3: a collect that never removes anything tears nothing; the
+                # ordinary behaviour is judged on the same trials (only the count, so a wrong
+                # choice of which to keep stays the retention cell's)
+                raise AssertionError(
+                    f"{what}: collect(keep={keep}) returned, and {len(good_after)} snapshots "
+                    f"that verify are still published ({good_after}) [{case}]; a collect that "
+                    "removes nothing never tears a snapshot, and never frees the disk either: "
+                    f"keep the newest {keep} that verify (and the leased ones)")
     return tally
 
 
