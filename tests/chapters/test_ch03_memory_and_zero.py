@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import lab_notebooks
 import labkit
 from lab_notebooks import answer_cells
 from labkit.memory import activations, bench, checks, ledger, measure, zero, zero_pipeline
@@ -466,3 +467,115 @@ def test_task_3_rejects_a_gather_count_that_forgets_backward(world):
     with pytest.raises(AssertionError, match="every microbatch needs the parameters in backward"):
         checks.check_collective_prediction(world, forgets_backward,
                                            [dict(zero_stage=3, layers=2, microbatches=3)])
+
+
+# ---- lab 3 through its own test cells (issue 26: every point needs the work) ---------------------
+
+TASK1 = ["test_task1_sharded_optimizer", "test_task1_bad_inputs"]
+TASK2 = ["test_task2_predict_memory"]
+TASK3 = ["test_task3_predict_collectives"]
+
+
+def run_lab(test_ids, answers=None):
+    """The lab's own test cells, visible and hidden lines, outside nbgrader (lab_notebooks)."""
+    return lab_notebooks.run_lab(LAB, test_ids, answers)
+
+
+def _replaced(grade_id, old, new):
+    source = lab_notebooks.answer(LAB, grade_id)
+    assert source.count(old) == 1, f"the solution of {grade_id} changed; update this test"
+    return source.replace(old, new)
+
+
+def _appended(grade_id, extra):
+    return lab_notebooks.answer(LAB, grade_id) + "\n" + extra
+
+
+# Task 1: plain data parallelism whose full optimizer lives in a module global, and a sharded
+# decoy on the instance stepped alongside it: right values, the decoy's state 1/P. Passed the
+# old checker (state counted only where reachable from the instance).
+GLOBAL_FULL_OPTIMIZER = '''
+_Sharded = ShardedOptimizer
+_FULL = []                                   # the real optimizer, out of the instance's reach
+
+
+class ShardedOptimizer(_Sharded):
+    def __init__(self, params, optimizer_cls, **kwargs):
+        groups = list(params)
+        super().__init__(groups, optimizer_cls, **kwargs)
+        whole = [dict(g) for g in groups] if isinstance(groups[0], dict) else groups
+        _FULL.append(optimizer_cls(whole, **kwargs))
+        self.full = len(_FULL) - 1
+
+    @torch.no_grad()
+    def step(self):
+        for p, piece, chunk, _ in self.entries:
+            if p.grad is None:
+                piece.grad = None
+                continue
+            dist.all_reduce(p.grad)
+            p.grad /= self.world_size
+            start = min(self.rank * chunk, p.numel())
+            piece.grad = p.grad.reshape(-1)[start:start + piece.numel()].clone()
+        self.optimizer.step()                # the decoy: this rank's slices
+        _FULL[self.full].step()              # the values: every parameter, whole
+'''
+
+# Task 2: the peak as the start of backward only (the optimizer step's moment ignored), and a flat
+# factor over the kept bytes and activations: both within 10% on every old config (one bench
+# shape, backward always the larger moment).
+PEAK_WITHOUT_OPTIMIZER_MOMENT = ("    peak = sum(kept.values()) + max(activations + backward, optimizer_step)\n",
+                                 "    peak = sum(kept.values()) + activations + backward\n")
+FLAT_FUDGE = ("    peak = sum(kept.values()) + max(activations + backward, optimizer_step)\n",
+              "    peak = 1.2 * (sum(kept.values()) + activations)      # transients: about 20%\n")
+NO_PADDING = ("    n = math.ceil((8 * H * H + 5 * H) / P) * P               # N_l, padded to a multiple of P\n"
+              "    s = n // P ",
+              "    n = 8 * H * H + 5 * H                                   # N_l (not padded)\n"
+              "    s = n / P ")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, grade_id, source, fails", [
+    ("the full optimizer in a module global", "task1_sharded_optimizer",
+     lambda: _appended("task1_sharded_optimizer", GLOBAL_FULL_OPTIMIZER),
+     {"test_task1_sharded_optimizer"}),
+    ("P read from the notebook's WORLD_SIZE", "task1_sharded_optimizer",
+     lambda: _replaced("task1_sharded_optimizer", "dist.get_rank(), dist.get_world_size()",
+                       "dist.get_rank(), WORLD_SIZE"),
+     {"test_task1_sharded_optimizer"}),
+    ("empty slices dropped (a rank with nothing builds an empty optimizer)", "task1_sharded_optimizer",
+     lambda: _replaced("task1_sharded_optimizer", "                slices.append(piece)\n",
+                       "                if piece.numel():\n                    slices.append(piece)\n")
+     .replace("            inner_groups.append(dict(options, params=slices))",
+              "            if slices:\n                inner_groups.append(dict(options, params=slices))"),
+     {"test_task1_sharded_optimizer"}),
+    ("an optimizer instance refused with ValueError", "task1_sharded_optimizer",
+     lambda: _replaced("task1_sharded_optimizer", "        if not (isinstance(optimizer_cls, type) and",
+                       "        if isinstance(optimizer_cls, torch.optim.Optimizer):\n"
+                       "            raise ValueError('pass the optimizer class, not an instance')\n"
+                       "        if not (isinstance(optimizer_cls, type) and"),
+     {"test_task1_bad_inputs"}),  # its main cell is the solution's: only the refusals are run
+    ("only the refusals written, the rest a stub", "task1_sharded_optimizer",
+     lambda: _replaced("task1_sharded_optimizer", "        self.rank, self.world_size = ",
+                       "        raise NotImplementedError('Lab 3, task 1')\n"
+                       "        self.rank, self.world_size = "),
+     {"test_task1_sharded_optimizer", "test_task1_bad_inputs"}),
+    ("the peak without the optimizer step's moment", "task2_predict_memory",
+     lambda: _replaced("task2_predict_memory", *PEAK_WITHOUT_OPTIMIZER_MOMENT),
+     {"test_task2_predict_memory"}),
+    ("a flat 20% over kept and activations", "task2_predict_memory",
+     lambda: _replaced("task2_predict_memory", *FLAT_FUDGE), {"test_task2_predict_memory"}),
+    ("no padding to a multiple of P", "task2_predict_memory",
+     lambda: _replaced("task2_predict_memory", *NO_PADDING), {"test_task2_predict_memory"}),
+    ("reshard_after_forward ignored", "task3_predict_collectives",
+     lambda: _replaced("task3_predict_collectives",
+                       "(2 if reshard_after_forward else 1) * m * L", "2 * m * L"),
+     {"test_task3_predict_collectives"}),
+])
+def test_wrong_answers_lose_exactly_the_cells_of_their_task(name, grade_id, source, fails):
+    cells = {"task1": TASK1, "task2": TASK2, "task3": TASK3}[grade_id[:5]]
+    if fails == {"test_task1_bad_inputs"}:             # the class's steps are the solution's
+        cells = ["test_task1_bad_inputs"]
+    outcome = run_lab(cells, {grade_id: source()})
+    failed = {test for test, error in outcome.items() if error is not None}
+    assert failed == fails, f"{name}: failed {sorted(failed)}, expected {sorted(fails)}: {outcome}"

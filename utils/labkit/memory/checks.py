@@ -14,6 +14,7 @@ ranks: the memory profiler's timeline, the saved activations, and the trace of c
 """
 from __future__ import annotations
 
+import gc
 import math
 import types
 
@@ -24,6 +25,9 @@ from labkit.memory import zero, zero_pipeline
 
 # Parameter shapes whose sizes no P in 2..4 divides (35, 25, 7, 11, 49, 1), in two groups.
 SHAPES = [(5, 7), (5, 5), (7,), (11,), (7, 7), (1,)]
+# Parameters so small (2, 1, 2, 1 elements) that at P >= 3 a rank holds no element of any of
+# them: its slices are all empty, and it must still take part in every collective and step.
+TINY_SHAPES = [(2,), (1,), (1, 2), (1,)]
 OPTIMIZERS = {
     "adamw": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)),
     "adam": ("Adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6)),
@@ -35,28 +39,35 @@ OPTIMIZERS = {
 
 # ---- task 1: ShardedOptimizer -------------------------------------------------------------------
 
-def optimizer_case(case, world_size, optimizer="adamw", steps=10, groups=True, frozen=True):
-    """Plain data for one run: shapes, initial values, groups, and every rank's gradients.
+def optimizer_case(case, world_size, optimizer="adamw", steps=10, groups=True, frozen=True,
+                   shapes=None):
+    """Plain data for one run: shapes (`SHAPES` unless given), initial values, groups, and every
+    rank's gradients.
 
-    With `groups`, group 1 overrides the learning rate and sets weight_decay to 0 (the optimizer's
-    default is not 0). With `frozen`, the last parameter never gets a gradient and parameter 2
-    gets none in steps 3 to 5."""
+    With `groups`, the second half of the parameters overrides the learning rate and sets
+    weight_decay to 0 (the optimizer's default is not 0). With `frozen`, the last parameter never
+    gets a gradient and parameter 2 gets none in steps 3 to 5."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     name, kwargs = OPTIMIZERS[optimizer]
-    initial = [case.normal(shape, "float64") for shape in SHAPES]
+    shapes = list(SHAPES if shapes is None else shapes)
+    if len(shapes) < 3:
+        raise ValueError(f"optimizer_case needs at least 3 parameter shapes, got {shapes}")
+    initial = [case.normal(shape, "float64") for shape in shapes]
+    half = len(shapes) // 2
     if groups:
-        layout = [{"params": [0, 1, 2], "weight_decay": 0.2},
-                  {"params": [3, 4, 5], "weight_decay": 0.0, "lr": kwargs["lr"] / 3}]
+        layout = [{"params": list(range(half)), "weight_decay": 0.2},
+                  {"params": list(range(half, len(shapes))), "weight_decay": 0.0,
+                   "lr": kwargs["lr"] / 3}]
     else:
-        layout = [{"params": list(range(len(SHAPES)))}]
+        layout = [{"params": list(range(len(shapes)))}]
     if name in ("Adagrad", "RMSprop") or "weight_decay" not in kwargs:
         for group in layout:
             group.pop("weight_decay", None)
     def has_grad(i, step):
-        return not (frozen and (i == len(SHAPES) - 1 or (i == 2 and 2 <= step <= 4)))
-    grads = [[[case.normal(SHAPES[i], "float64") if has_grad(i, step) else None
-               for i in range(len(SHAPES))] for step in range(steps)] for _ in range(world_size)]
+        return not (frozen and (i == len(shapes) - 1 or (i == 2 and 2 <= step <= 4)))
+    grads = [[[case.normal(shapes[i], "float64") if has_grad(i, step) else None
+               for i in range(len(shapes))] for step in range(steps)] for _ in range(world_size)]
     return {"optimizer": name, "kwargs": kwargs, "initial": initial, "groups": layout,
             "grads": grads, "steps": steps}
 
@@ -117,9 +128,12 @@ def _storage(t):
     return t.untyped_storage().data_ptr()
 
 
-def held_state(root, exclude=()):
+def held_state(root, exclude=(), everywhere=False):
     """Walk the objects reachable from `root`: bytes in the `state` of every torch.optim optimizer
-    found (each storage once), and the number of such optimizers. `exclude`: tensors not to count."""
+    found (each storage once), and the number of such optimizers. `exclude`: tensors not to count.
+    With `everywhere`, also every optimizer alive in this process (after a garbage collection):
+    one kept in a module global, a class attribute or a closure is not reachable from `root` but
+    holds memory on the rank all the same (those count in `state_bytes`, not in `optimizers`)."""
     skip = {_storage(t) for t in exclude}
     seen, stack, optimizers = set(), [(root, 0)], []
     while stack:
@@ -141,6 +155,12 @@ def held_state(root, exclude=()):
         else:
             children = []
         stack.extend((child, depth + 1) for child in children)
+    reachable = len(optimizers)
+    if everywhere:
+        gc.collect()
+        known = {id(o) for o in optimizers}
+        optimizers += [o for o in gc.get_objects()
+                       if issubclass(type(o), torch.optim.Optimizer) and id(o) not in known]
     counted, total = set(), 0
     for optimizer in optimizers:
         for state in optimizer.state.values():
@@ -148,7 +168,7 @@ def held_state(root, exclude=()):
                 if torch.is_tensor(t) and _storage(t) not in skip | counted:
                     counted.add(_storage(t))
                     total += t.untyped_storage().nbytes()
-    return {"state_bytes": total, "optimizers": len(optimizers)}
+    return {"state_bytes": total, "optimizers": reachable}
 
 
 def _optimizer_program(my_grads, cls, spec):
@@ -166,7 +186,7 @@ def _optimizer_program(my_grads, cls, spec):
             p.grad = None if g is None else g.clone().to(device)
         optimizer.step()
         history.append([p.detach().cpu().clone() for p in params])
-    return {"history": history, **held_state(optimizer, exclude=params)}
+    return {"history": history, **held_state(optimizer, exclude=params, everywhere=True)}
 
 
 def _allowed_state(state, world_size):
@@ -183,13 +203,17 @@ def _allowed_state(state, world_size):
 
 
 def check_sharded_optimizer(world, cls, optimizer="adamw", steps=10, groups=True, frozen=True,
-                            seed=None, timeout=60):
+                            seed=None, timeout=60, shapes=None):
     """`cls(param_groups, optimizer_cls, **kwargs)` must step every rank's parameters exactly like
     torch's optimizer_cls on the whole parameters and the mean gradient, for `steps` steps, while
-    each rank holds about 1/P of the optimizer state. Returns the per-rank state bytes."""
+    each rank holds about 1/P of the optimizer state: counted in every torch.optim optimizer alive
+    on the rank, reachable from the instance or not (a module global too). `shapes="tiny"`
+    (`TINY_SHAPES`) leaves a rank at P >= 3 with no element of any parameter. Returns the
+    per-rank state bytes."""
     case = checks.Case(f"ShardedOptimizer with {optimizer}", seed)
     P = world.size
-    spec = optimizer_case(case, P, optimizer, steps, groups, frozen)
+    spec = optimizer_case(case, P, optimizer, steps, groups, frozen,
+                          TINY_SHAPES if shapes == "tiny" else shapes)
     expected, full_state = reference_history(spec)
     shared = {k: v for k, v in spec.items() if k != "grads"}
     results = world.run_each(_optimizer_program, spec["grads"], cls, shared, timeout=timeout)
@@ -251,16 +275,40 @@ def _bad_inputs_program(_, cls):
             outcomes[name] = f"{type(error).__name__}: {error}"
         except Exception as error:   # noqa: BLE001 - reported as the wrong kind of error
             outcomes[name] = f"wrong kind {type(error).__name__}: {error}"
+    # sizes 8 and 12: every rank of P <= 4 holds part of each (a rank with nothing is task 1's)
+    a = torch.nn.Parameter(torch.zeros(8, device=labkit.device()))
+    b = torch.nn.Parameter(torch.zeros(3, 4, device=labkit.device()))
+    good = {GOOD_INPUT[0]: lambda: cls([a, b], torch.optim.SGD, lr=0.1),
+            GOOD_INPUT[1]: lambda: cls([{"params": [a]}, {"params": [b], "lr": 0.01}],
+                                       torch.optim.Adam, lr=0.1)}
+    for name, attempt in good.items():           # the ordinary case, on the same run
+        try:
+            attempt()
+            outcomes[name] = "accepted"
+        except Exception as error:   # noqa: BLE001 - reported: good input must be accepted
+            outcomes[name] = f"refused {type(error).__name__}: {error}"
     return outcomes
+
+
+GOOD_INPUT = ("a list of parameters", "two parameter groups")
 
 
 def check_bad_inputs(world, cls, timeout=30):
     """Something that is not an optimizer class, or a parameter passed twice: a clear TypeError or
-    ValueError on every rank (not a hang, not a silent success)."""
+    ValueError on every rank (not a hang, not a silent success). On the same run, good input (a
+    list of parameters, two groups) must be accepted: a class that refuses everything earns
+    nothing here."""
     results = world.run_each(_bad_inputs_program, [None] * world.size, cls, timeout=timeout)
     checks.one_result_per_rank(results, world.size, what="ShardedOptimizer with bad input")
     for rank, outcomes in enumerate(results):
+        for name in GOOD_INPUT:
+            if outcomes.get(name) != "accepted":
+                raise AssertionError(f"rank {rank}: ShardedOptimizer refused good input ({name}): "
+                                     f"{outcomes.get(name)}; raise only on bad input, and build "
+                                     "the optimizer for good input")
         for name, outcome in outcomes.items():
+            if name in GOOD_INPUT:
+                continue
             if outcome is None:
                 raise AssertionError(f"rank {rank}: ShardedOptimizer accepted {name}; raise "
                                      "TypeError (not an optimizer class) or ValueError (a "
@@ -315,8 +363,10 @@ def memory_program(config):
     return dict(kept, activations=saved.total, peak=timeline.peak, at_peak=timeline.at_peak)
 
 
-CATEGORY_TOLERANCE = {"parameters": 0.01, "gradients": 0.01, "optimizer_states": 0.01,
-                      "buffers": 0.01, "activations": 0.05, "peak": 0.10}
+# What a rank keeps between steps is whole tensors: exact bytes (padding to a multiple of P
+# included: unpadded, the hidden sizes 13 and 40 at P = 3 are off by a few elements).
+CATEGORY_TOLERANCE = {"parameters": 0.0, "gradients": 0.0, "optimizer_states": 0.0,
+                      "buffers": 0.0, "activations": 0.05, "peak": 0.10}
 
 
 def _validate_config(config):
@@ -330,7 +380,9 @@ def _validate_config(config):
 def check_memory_predictor(world, predict, configs, timeout=120):
     """For each config (stage, P, batch, seq; layers and hidden default to BENCH), call
     predict(stage, P, layers, hidden, batch, seq) here, measure the same on P ranks of `world`,
-    and compare category by category (tolerances in CATEGORY_TOLERANCE). Returns the rows."""
+    and compare category by category (tolerances in CATEGORY_TOLERANCE: the kept bytes exactly).
+    The lab's hidden configs include one where the optimizer step's moment is the peak (stage 0,
+    one block, 4 tokens: a peak that ignores it is 27% low) and sizes P = 3 does not divide."""
     rows = []
     for config in configs:
         config = dict(BENCH, **config)
@@ -364,7 +416,8 @@ def check_memory_predictor(world, predict, configs, timeout=120):
                     f"predict_memory(stage={config['stage']}, P={config['P']}, layers="
                     f"{config['layers']}, hidden={config['hidden']}, batch={config['batch']}, "
                     f"seq={config['seq']}): {category} predicted {got:.0f} bytes, measured "
-                    f"{want:.0f} (tolerance {tolerance:.0%}); {hint}")
+                    f"{want:.0f} ({f'tolerance {tolerance:.0%}' if tolerance else 'exactly'}); "
+                    f"{hint}")
         rows.append(dict(config, predicted=dict(predicted), measured=measured))
     return rows
 
