@@ -147,17 +147,28 @@ def check_ep_layer(world, layer, experts_per_rank=2, top_k=2, hidden=16, dtype="
     return results
 
 
-def check_ep_traffic(world, layer, experts_per_rank=2, top_k=2, hidden=64, dtype="float64",
-                     timeout=60, seed=None):
+def check_ep_traffic(world, layer, experts_per_rank=2, top_k=2, hidden=None, dtype="float64",
+                     empty_experts=0, idle_rank=False, no_tokens_rank=False, timeout=60,
+                     seed=None):
     """Bytes rank r sends rank q, forward and backward, are those of the rows routed between them
     (uneven splits), not of splits padded to the largest count: between the 2 (c[r][q] + c[q][r])
     rows of a per-assignment exchange and the 2 (u[r][q] + u[q][r]) of one that sends each token
-    once per rank, plus a little metadata and gloo's framing."""
+    once per rank, plus a little metadata and gloo's framing. `hidden` is drawn (48 .. 128) unless
+    given, and the shapes check_ep_layer judges values on (an expert nobody picks, a rank that
+    receives nothing, a rank without tokens) are measured too: a layer that takes another path
+    on the shapes whose bytes are not measured is caught (issue 26, class 2)."""
     P = world.size
-    case = checks.Case(f"lab 7 task 2: bytes of the EP layer on {P} ranks", seed)
+    case = checks.Case(f"lab 7 task 2: bytes of the EP layer on {P} ranks, {experts_per_rank} "
+                       f"experts per rank, top-{top_k}, {dtype}" + (", an expert nobody picks"
+                                                                  if empty_experts else "")
+                       + (", a rank that receives nothing" if idle_rank else "")
+                       + (", a rank without tokens" if no_tokens_rank else ""), seed)
+    if hidden is None:
+        hidden = 8 * case.integer(6, 16)
     tokens = [case.integer(6, 14) for _ in range(P)]
     tokens[case.integer(0, P - 1)] = 48                     # one rank with many tokens
-    shares, router, experts = ep_case(case, P, experts_per_rank, top_k, hidden, dtype, tokens)
+    shares, router, experts = ep_case(case, P, experts_per_rank, top_k, hidden, dtype, tokens,
+                                      empty_experts, idle_rank, no_tokens_rank)
     counts, unique = _routing_counts(shares, router, P * experts_per_rank, top_k)
     row = hidden * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     with world.traffic() as traffic:
