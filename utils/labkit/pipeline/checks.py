@@ -419,10 +419,11 @@ def _expect_messages(traffic, data, messages, case, hint) -> None:
             exact = data[r][q] + GLOO_HEADER_BYTES * messages[r][q] + GLOO_NOTICE_BYTES * messages[q][r]
             got = traffic.matrix[r][q]
             if abs(got - exact) > MESSAGE_SLACK:
-                extra = (got - exact) / GLOO_HEADER_BYTES
                 problems.append(f"rank {r} sent {got} bytes to rank {q}, expected {exact} "
                                 f"({messages[r][q]} messages of {data[r][q] // max(1, messages[r][q])} "
-                                f"B, {messages[q][r]} received): about {extra:+.1f} messages")
+                                f"B sent, {messages[q][r]} received; each message costs "
+                                f"{GLOO_HEADER_BYTES} B of framing on its sender's socket and "
+                                f"{GLOO_NOTICE_BYTES} on its receiver's): {got - exact:+d} bytes")
     if problems:
         raise AssertionError(f"run_pipeline: not one message per activation and per gradient"
                              f"{checks._where(case)}: {'; '.join(problems[:4])}. {hint}")
