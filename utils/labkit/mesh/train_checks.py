@@ -252,6 +252,18 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
     run = train_case(case, dims, steps, m, ragged, tied, "adamw")
     results, traffic = _run(world, fn, run, timeout, case)
     _check_values(results, run, case)
+    held = state_problems(run)
+    if held:
+        raise AssertionError(f"train_3d at dims {run['dims']}: not ZeRO-1 over dp [{case}]: "
+                             + "; ".join(held) + ". Plain data parallelism (an all-reduce and a "
+                             "whole optimizer on every rank) sends the same bytes; step with "
+                             "mesh.Zero1(stage.parameters(), dp_group, optimizer), which keeps "
+                             "1/dp of the optimizer state on each rank.")
+    return traffic, _judge_traffic(traffic, run, world, case)
+
+
+def _judge_traffic(traffic, run, world, case) -> dict:
+    """The bytes by relation against `expected_bytes`; raises with the problems. Returns them."""
     if not getattr(traffic, "complete", False):
         raise AssertionError(f"the traffic of train_3d could not be counted [{case}]")
     measured = {"tp": 0, "pp": 0, "dp": 0, "none": 0}
@@ -260,17 +272,10 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
             if a != b:
                 measured[_relation(a, b, run["dims"])] += traffic.matrix[a][b]
     problems = traffic_problems(measured, expected_bytes(run), world.size, max(traffic.outside))
-    held = state_problems(run)
-    if held:
-        raise AssertionError(f"train_3d at dims {run['dims']}: not ZeRO-1 over dp [{case}]: "
-                             + "; ".join(held) + ". Plain data parallelism (an all-reduce and a "
-                             "whole optimizer on every rank) sends the same bytes; step with "
-                             "mesh.Zero1(stage.parameters(), dp_group, optimizer), which keeps "
-                             "1/dp of the optimizer state on each rank.")
     if problems:
         raise AssertionError(f"train_3d at dims {run['dims']}: the traffic between ranks is not "
                              f"what a 3D step sends [{case}]: " + "; ".join(problems)
                              + ". Split each stage with mesh.tensor_parallel, run the schedule on "
                              "the pp group with pipeline.run_actions, and step with mesh.Zero1 "
                              "on the dp group.")
-    return traffic, measured
+    return measured
