@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
+import lab_notebooks
 import labkit
 from labkit import tensor_parallel as tpk
 from labkit.tensor_parallel import checks, measure, placement
@@ -429,3 +430,47 @@ def test_vocab_parallel_loss_peak_is_exactly_three_logit_shards_and_two_vectors(
     n = 96
     for width, peak in world3.run(_course_vocab_loss_peak, n, vocab):
         assert peak == 3 * n * width * 4 + 8 * n, (width, peak)
+
+
+# ---- issue 26: every point needs the work, through the lab's own test cells ---------------------
+
+def _wrong_answers():
+    """tests/grading/wrong_answers/lab04_tensor_parallel.py: the edits, shared with the graded
+    submissions (one source for both)."""
+    import importlib.util
+    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
+    spec = importlib.util.spec_from_file_location("lab04_wrong_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRONG = _wrong_answers()
+TASK_CELLS = {"task1_parallel_linear": ["test_task1_column", "test_task1_row"],
+              "task2_tp_block": ["test_task2_block_values", "test_task2_block_traffic"],
+              "task3_vocab_parallel_ce": ["test_task3_ce_values", "test_task3_ce_traffic"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, fails", [
+    # t written as 2: right at the locked WORLD_SIZE = 2, wrong at the hidden t = 3 (half_block,
+    # the same mistake in task 2, is graded in tests/grading/wrong_answers)
+    ("half_column", {"test_task1_column"}),
+    # values without the construction: the whole weight gathered, the dense product taken
+    ("dense_column", {"test_task1_column"}),
+    ("dense_row", {"test_task1_row"}),
+    # ... only on the shapes the traffic cell does not measure
+    ("small_dense_block", {"test_task2_block_values"}),
+    ("narrow_gather", {"test_task3_ce_values"}),
+    # a stated requirement: an MLP width t does not divide refused even when the heads are
+    ("heads_only", {"test_task2_block_values"}),
+    # the count of collectives, and a backward that communicates
+    ("block_twice", {"test_task2_block_traffic"}),
+    ("recompute_in_backward", {"test_task3_ce_traffic"}),
+])
+def test_each_wrong_answer_loses_exactly_the_cells_of_its_requirement(name, fails):
+    grade_id = WRONG.EDITS[name][0]
+    source = WRONG.edited(name, lab_notebooks.answer(LAB, grade_id))
+    outcome = lab_notebooks.run_lab(LAB, TASK_CELLS[grade_id], {grade_id: source})
+    failed = {cell for cell, error in outcome.items() if error is not None}
+    assert failed == fails, f"{name}: failed {sorted(failed)}, expected {sorted(fails)}: {outcome}"
