@@ -2,8 +2,8 @@
 the solution and the blank:
 
 - lab 9, a spike guard that walks its stack for the plan's bad ids (full marks before): the
-  guard's rank holds no plan now, so it never fires: 16 of 20 (the clean stream's 3 points kept,
-  the spike's 4 lost);
+  guard's rank holds no plan now, so it never fires: 13 of 20 (the spike's 4 lost, and since
+  issue 26's class 3 the clean stream's 3 as well: that cell also needs the guard to fire);
 - lab 9, a resume validator that changes the dicts it is given (the check could never fail: the
   arguments were copies): the change is written back into the caller's objects: 18 of 20;
 - lab 2, marks forged from student code (an accumulation without no_sync that marks "step
@@ -93,7 +93,7 @@ def _sync_forges_the_overlap(source):
 # {lab: {student: ({answer grade_id: function of the solution's source}, scratch, score)}}
 RANK_SIDE_ATTACKS = {
     "lab09_failures_at_scale": {
-        "reads-plan": ({"task2_spike_guard": _guard_reads_the_plan}, None, 16),
+        "reads-plan": ({"task2_spike_guard": _guard_reads_the_plan}, None, 13),
         "mutates": ({"task3_validate_resume": _validator_changes_its_arguments}, None, 18),
     },
     "lab02_data_parallel": {
