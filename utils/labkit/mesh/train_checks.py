@@ -252,14 +252,15 @@ def check_train_3d_traffic(world, fn, dims, steps=1, m=4, tied=False, ragged=Tru
     run = train_case(case, dims, steps, m, ragged, tied, "adamw")
     results, traffic = _run(world, fn, run, timeout, case)
     _check_values(results, run, case)
-    held = state_problems(run)
+    measured = _judge_traffic(traffic, run, world, case)
+    held = state_problems(run)                # the bytes were right: was it ZeRO-1 or plain dp?
     if held:
         raise AssertionError(f"train_3d at dims {run['dims']}: not ZeRO-1 over dp [{case}]: "
                              + "; ".join(held) + ". Plain data parallelism (an all-reduce and a "
                              "whole optimizer on every rank) sends the same bytes; step with "
                              "mesh.Zero1(stage.parameters(), dp_group, optimizer), which keeps "
                              "1/dp of the optimizer state on each rank.")
-    return traffic, _judge_traffic(traffic, run, world, case)
+    return traffic, measured
 
 
 def _judge_traffic(traffic, run, world, case) -> dict:
