@@ -555,10 +555,11 @@ NO_PADDING = ("    n = math.ceil((8 * H * H + 5 * H) / P) * P               # N_
                        "            raise ValueError('pass the optimizer class, not an instance')\n"
                        "        if not (isinstance(optimizer_cls, type) and"),
      {"test_task1_bad_inputs"}),  # its main cell is the solution's: only the refusals are run
-    ("only the refusals written, the rest a stub", "task1_sharded_optimizer",
-     lambda: _replaced("task1_sharded_optimizer", "        self.rank, self.world_size = ",
+    ("only the refusals written, the rest a stub (passed the old bad-input cell)",
+     "task1_sharded_optimizer",
+     lambda: _replaced("task1_sharded_optimizer", "        self.segment = offset ",
                        "        raise NotImplementedError('Lab 3, task 1')\n"
-                       "        self.rank, self.world_size = "),
+                       "        self.segment = offset "),
      {"test_task1_sharded_optimizer", "test_task1_bad_inputs"}),
     ("the peak without the optimizer step's moment", "task2_predict_memory",
      lambda: _replaced("task2_predict_memory", *PEAK_WITHOUT_OPTIMIZER_MOMENT),

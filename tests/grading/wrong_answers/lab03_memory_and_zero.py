@@ -3,7 +3,7 @@
 "global_and_one_moment" (1 of 12):
 - task 1, test_task1_sharded_optimizer (4): plain data parallelism whose full optimizer is kept in
   a module global, with a sharded decoy on the instance (the state used to be counted only where
-  reachable from the instance; now every optimizer alive on the rank counts);
+  reachable from the instance; now every optimizer stepped on the rank counts);
 - task 2, test_task2_predict_memory (4): the peak as the start of backward only (the optimizer
   step's moment ignored: within 10% on every old config, 27% low on stage 0, one block, 4 tokens);
 - task 3, test_task3_predict_collectives (3): reshard_after_forward ignored.

@@ -14,7 +14,6 @@ ranks: the memory profiler's timeline, the saved activations, and the trace of c
 """
 from __future__ import annotations
 
-import gc
 import math
 import types
 
@@ -128,12 +127,12 @@ def _storage(t):
     return t.untyped_storage().data_ptr()
 
 
-def held_state(root, exclude=(), everywhere=False):
+def held_state(root, exclude=(), also=()):
     """Walk the objects reachable from `root`: bytes in the `state` of every torch.optim optimizer
     found (each storage once), and the number of such optimizers. `exclude`: tensors not to count.
-    With `everywhere`, also every optimizer alive in this process (after a garbage collection):
-    one kept in a module global, a class attribute or a closure is not reachable from `root` but
-    holds memory on the rank all the same (those count in `state_bytes`, not in `optimizers`)."""
+    `also`: more optimizers to count (every one stepped on the rank during the run: one kept in a
+    module global, a class attribute or a closure is not reachable from `root` but holds memory on
+    the rank all the same); they count in `state_bytes`, not in `optimizers`."""
     skip = {_storage(t) for t in exclude}
     seen, stack, optimizers = set(), [(root, 0)], []
     while stack:
@@ -156,11 +155,8 @@ def held_state(root, exclude=(), everywhere=False):
             children = []
         stack.extend((child, depth + 1) for child in children)
     reachable = len(optimizers)
-    if everywhere:
-        gc.collect()
-        known = {id(o) for o in optimizers}
-        optimizers += [o for o in gc.get_objects()
-                       if issubclass(type(o), torch.optim.Optimizer) and id(o) not in known]
+    known = {id(o) for o in optimizers}
+    optimizers += [o for o in also if id(o) not in known]
     counted, total = set(), 0
     for optimizer in optimizers:
         for state in optimizer.state.values():
@@ -175,18 +171,28 @@ def _optimizer_program(my_grads, cls, spec):
     """On a rank: build the parameters, the class under test, run the steps with this rank's
     gradients; return the parameters after every step and the state it holds."""
     import labkit
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
     device = labkit.device()
     params = [torch.nn.Parameter(v.clone().to(device)) for v in spec["initial"]]
     groups = [dict({k: v for k, v in g.items() if k != "params"},
                    params=[params[i] for i in g["params"]]) for g in spec["groups"]]
-    optimizer = cls(groups, getattr(torch.optim, spec["optimizer"]), **spec["kwargs"])
-    history = []
-    for grads in my_grads:
-        for p, g in zip(params, grads):
-            p.grad = None if g is None else g.clone().to(device)
-        optimizer.step()
-        history.append([p.detach().cpu().clone() for p in params])
-    return {"history": history, **held_state(optimizer, exclude=params, everywhere=True)}
+    stepped = {}                      # every torch optimizer stepped on this rank, wherever kept
+
+    def seen(stepping, args, kwargs):
+        stepped[id(stepping)] = stepping
+    handle = register_optimizer_step_pre_hook(seen)
+    try:
+        optimizer = cls(groups, getattr(torch.optim, spec["optimizer"]), **spec["kwargs"])
+        history = []
+        for grads in my_grads:
+            for p, g in zip(params, grads):
+                p.grad = None if g is None else g.clone().to(device)
+            optimizer.step()
+            history.append([p.detach().cpu().clone() for p in params])
+    finally:
+        handle.remove()
+    return {"history": history,
+            **held_state(optimizer, exclude=params, also=list(stepped.values()))}
 
 
 def _allowed_state(state, world_size):
@@ -206,8 +212,8 @@ def check_sharded_optimizer(world, cls, optimizer="adamw", steps=10, groups=True
                             seed=None, timeout=60, shapes=None):
     """`cls(param_groups, optimizer_cls, **kwargs)` must step every rank's parameters exactly like
     torch's optimizer_cls on the whole parameters and the mean gradient, for `steps` steps, while
-    each rank holds about 1/P of the optimizer state: counted in every torch.optim optimizer alive
-    on the rank, reachable from the instance or not (a module global too). `shapes="tiny"`
+    each rank holds about 1/P of the optimizer state: counted in every torch.optim optimizer
+    reachable from the instance or stepped on the rank during the run (one in a module global too). `shapes="tiny"`
     (`TINY_SHAPES`) leaves a rank at P >= 3 with no element of any parameter. Returns the
     per-rank state bytes."""
     case = checks.Case(f"ShardedOptimizer with {optimizer}", seed)
