@@ -8,7 +8,9 @@
 Task 1 runs the class on every rank: each rank is sent only its own gradients, the expected
 parameters are computed here with torch's own optimizer on the whole parameters and the mean
 gradient, and the optimizer state a rank holds is read from the `state` of every torch.optim
-optimizer reachable from the instance (not from anything the class reports). Tasks 2 and 3 call a
+optimizer reachable from the instance or stepped on the rank (torch's global step pre-hook: one
+kept in a module global counts too), not from anything the class reports; hidden cases run at
+P = 4 and P = 3, and with parameters so small that a rank holds none of them. Tasks 2 and 3 call a
 pure prediction function here and compare it with what labkit's own ZeRO code measures on the
 ranks: the memory profiler's timeline, the saved activations, and the trace of collectives.
 """
