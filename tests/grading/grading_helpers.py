@@ -89,3 +89,39 @@ def make_class(root, n):
     for i in range(n):
         make_submission(course, subs, f"student{i:02d}", variants[i % len(variants)])
     return course, subs
+
+
+# --- the fixture class graded once, one at a time (test_class_scale's reference, test_parallel's
+# serial side): name -> (answers, shard it must land in of 2, expected score) -----------------
+KINDS = {
+    "full": ({}, 0, 6.0),
+    "slow": ({"task_scale": "import time\ntime.sleep(600)"}, 0, 4.0),   # a timeout, a restart
+    "half": ({"task_rank_sum": "def rank_sum(x):\n    return 3.0"}, 1, 3.0),
+    "wrong_add": ({"task_add": "def add(a, b):\n    return a * b"}, 1, 5.0),
+}
+CELL_TIMEOUT = 10
+
+
+def student_names():
+    """One id per kind, chosen so that each lands in the shard KINDS says (of 2)."""
+    from labkit.grading.pipeline import in_shard
+    names = {}
+    for kind, (_, shard, _) in KINDS.items():
+        n = 0
+        while not in_shard(f"{kind}{n}", (shard, 2)):
+            n += 1
+        names[kind] = f"{kind}{n}"
+    return names
+
+
+def cli_env():
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def grade_command(course, subs, out, *extra):
+    """`labkit grade` of the fixture lab, one submission at a time (extra options appended)."""
+    return [sys.executable, "-m", "labkit.tools.cli", "grade", LAB, str(subs), "--out", str(out),
+            "--course", str(course), "--jobs", "1", "--cell-timeout", str(CELL_TIMEOUT),
+            *extra]
