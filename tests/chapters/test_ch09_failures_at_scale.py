@@ -251,9 +251,17 @@ def test_checker_rejects_a_validator_that_accepts_another_tokenizer():
         checks_resume.check_refuses(by_name, kinds=("tokenizer",), seed=32)
 
     def vague(snapshot, run):
-        raise ValueError("cannot resume")
+        try:
+            return REF["validate_resume"](snapshot, run)
+        except ValueError:
+            raise ValueError("cannot resume") from None
     with pytest.raises(AssertionError, match="should name what differs"):
         checks_resume.check_refuses(vague, kinds=("cursor",), seed=33)
+
+    def refuses_all(snapshot, run):                    # silence is not a check (class 3)
+        raise ValueError("tokenizer, cursor or world size: cannot resume")
+    with pytest.raises(AssertionError, match="refused a compatible resume"):
+        checks_resume.check_refuses(refuses_all, kinds=("cursor",), seed=34)
 
 
 # ---- hangs, torchrun ---------------------------------------------------------------------------
