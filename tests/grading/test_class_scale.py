@@ -24,18 +24,11 @@ import time
 import nbformat
 import pytest
 
-from grading_helpers import HIDDEN_SENTINELS, LAB, make_submission, needs_root_sandbox
+from grading_helpers import (HIDDEN_SENTINELS, KINDS, LAB, cli_env as _env,
+                             grade_command as _grade_command, needs_root_sandbox)
 
 pytestmark = [pytest.mark.timeout(1200)]
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-CELL_TIMEOUT = 10
-# name -> (answers, shard it must land in, expected score)
-KINDS = {
-    "full": ({}, 0, 6.0),
-    "slow": ({"task_scale": "import time\ntime.sleep(600)"}, 0, 4.0),   # a timeout, a restart
-    "half": ({"task_rank_sum": "def rank_sum(x):\n    return 3.0"}, 1, 3.0),
-    "wrong_add": ({"task_add": "def add(a, b):\n    return a * b"}, 1, 5.0),
-}
 
 
 def _missing(what):
@@ -131,37 +124,16 @@ def _read(path):
         return ""
 
 
-def _student_names():
-    """One id per kind, chosen so that each lands in the shard KINDS says (of 2)."""
-    from labkit.grading.pipeline import in_shard
-    names = {}
-    for kind, (_, shard, _) in KINDS.items():
-        n = 0
-        while not in_shard(f"{kind}{n}", (shard, 2)):
-            n += 1
-        names[kind] = f"{kind}{n}"
-    return names
+@pytest.fixture(scope="module")
+def course(fixture_class):
+    """The course the reference run graded (conftest.py): the shards grade the same one."""
+    return fixture_class[0]
 
 
 @pytest.fixture(scope="module")
-def submissions(course, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("class") / "subs"
-    names = _student_names()
-    for kind, (answers, _, _) in KINDS.items():
-        make_submission(str(course), str(folder), names[kind], answers)
-    return folder, names
-
-
-def _env():
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env
-
-
-def _grade_command(course, subs, out, *extra):
-    return [sys.executable, "-m", "labkit.tools.cli", "grade", LAB, str(subs), "--out", str(out),
-            "--course", str(course), "--jobs", "1", "--cell-timeout", str(CELL_TIMEOUT),
-            *extra]
+def submissions(fixture_class):
+    _, subs, names = fixture_class
+    return subs, names
 
 
 def _cell_scores(db_url):
@@ -193,17 +165,15 @@ def _records(db_url):
 
 
 @pytest.fixture(scope="module")
-def reference(course, submissions, tmp_path_factory):
-    """One single-process run of every submission (its own sqlite gradebook)."""
-    subs, names = submissions
-    out = tmp_path_factory.mktemp("reference") / "out"
-    done = subprocess.run(_grade_command(course, subs, out), capture_output=True, text=True,
-                          timeout=900, env=_env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def reference(graded_one_at_a_time, submissions):
+    """One single-process run of every submission (its own sqlite gradebook): the session's
+    `labkit grade --jobs 1` of the class (conftest.py), which test_parallel compares with too."""
+    _, names = submissions
+    out, log = graded_one_at_a_time
     db_url = f"sqlite:///{out}/gradebook.db"
     cells = _cell_scores(db_url)
     totals = {names[k]: score for k, (_, _, score) in KINDS.items()}
-    assert {s: sum(c.values()) for s, c in cells.items()} == totals, done.stdout[-3000:]
+    assert {s: sum(c.values()) for s, c in cells.items()} == totals, log[-3000:]
     return cells, _csv_scores(out / "grades.csv"), _row_counts(db_url)
 
 
@@ -436,14 +406,20 @@ def test_student_copy_works_as_handed_out(tmp_path):
     base = getattr(sys, "_base_executable", sys.executable)
     started = time.monotonic()
     subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=300)
-    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-e", "."], cwd=dist,
-                          capture_output=True, text=True, timeout=1500)
+    # the README's `pip install -e .`, without byte-compiling the ~10,000 installed .py files
+    # (most of them torch's, never imported here; those the lab imports compile once, as they
+    # first load): the same packages, resolved and installed the same way
+    done = subprocess.run([str(venv / "bin" / "pip"), "install", "--no-compile", "-e", "."],
+                          cwd=dist, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     seconds = time.monotonic() - started
     print(f"fresh student environment: pip install -e . in {seconds:.0f} s")
 
+    # a student's shell: no PYTHONDONTWRITEBYTECODE either, so the first process to import a
+    # module writes its bytecode and the later ones (kernel, papermill, doctor) reuse it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV",
-                                                                    "PYTHONPATH"))}
+                                                                    "PYTHONPATH",
+                                                                    "PYTHONDONTWRITEBYTECODE"))}
     env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
     specs = subprocess.run([str(venv / "bin" / "jupyter"), "kernelspec", "list", "--json"],
                            capture_output=True, text=True, timeout=120, env=env, check=True)
