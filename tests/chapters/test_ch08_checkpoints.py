@@ -635,3 +635,22 @@ def test_phase_table_reads_each_trial_from_the_rank_that_ran_its_victim():
                     "committer: after the link (the commit point)": [1, 0, 1]}, rows
     with pytest.raises(ValueError, match="one record per trial"):
         trials.phase_table([rank0, rank1[:1]])
+
+
+@pytest.mark.timeout(300)
+def test_task4_a_failure_in_a_copy_is_drawn_on_purpose(ref):
+    """Issue 26, class 4: a simulator that keeps the checkpoint whose copy a failure interrupted
+    is wrong only when a failure lands in a copy (about 1 draw in 10); every configuration now
+    has one there (and one with its write in flight), so even 3 configurations catch it, and
+    the interval cell keeps its points."""
+    ns = wrong(TASK4, ref, ("                if failed:\n                    t = upcoming\n"
+                            "                else:\n                    t += stall",
+                            "                if failed:\n                    t = upcoming\n"
+                            "                    durable = (t, done)\n"
+                            "                else:\n                    t += stall"))
+    world = labkit.world(2, teaching=False)
+    for seed in (91, 92, 93):
+        with pytest.raises(AssertionError, match="write had finished"):
+            checks_async.check_simulate_async(world, ns["simulate_async"], cases=3,
+                                              case=base_checks.Case("lab 8, task 4", seed=seed))
+    checks_async.check_async_interval(ns["async_interval"])
