@@ -402,7 +402,10 @@ def test_task2_checkers_reject_the_named_wrong_steps(world4):
         lab_checks.check_train_3d(world4, forgets_tied, (2, 2, 1), optimizer="sgd", tied=True,
                                   steps=1)
     with pytest.raises(AssertionError, match="weight each replica's gradient"):
-        lab_checks.check_train_3d(world4, mean_of_replica_means, (2, 2, 1), steps=1)
+        # SGD: AdamW's first step is lr x sign(g) almost everywhere, so a gradient whose direction
+        # barely differs passed it in about 1 run of 3 (the test flaked)
+        lab_checks.check_train_3d(world4, mean_of_replica_means, (2, 2, 1), optimizer="sgd",
+                                  steps=1)
     lab_checks.check_train_3d(world4, whole_model_on_every_rank, (2, 2, 1), steps=1)   # values right
     with pytest.raises(AssertionError, match=r"same pp group sent \d+ bytes in all, at least"):
         lab_checks.check_train_3d_traffic(world4, whole_model_on_every_rank, (2, 2, 1))
