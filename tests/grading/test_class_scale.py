@@ -234,18 +234,28 @@ def test_a_killed_shard_rerun_alone_loses_nothing(reference, submissions, postgr
     db_url = postgres.url("killed_shard")
     out = tmp_path / "out"
     command = _grade_command(course, subs, out, "--shard", "1/2", "--db", db_url)
-    shard = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=_env(), start_new_session=True)
-    deadline, recorded = time.monotonic() + 600, {}
+    # killed as its first record is written: the grader says so on stdout, read through a pipe,
+    # and the next record is one autograde and feedback away (1-3 s). Polling the gradebook for
+    # the first record instead (a new connection each time) missed that window under load: the
+    # shard had written both its records before the kill (1 run in a few at load average 25)
+    shard = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             env=dict(_env(), PYTHONUNBUFFERED="1"), start_new_session=True,
+                             text=True)
+    seen = []
     try:
-        while shard.poll() is None and time.monotonic() < deadline and not recorded:
-            time.sleep(0.05)
-            recorded = _records(db_url) if _has_table(db_url) else {}
+        for line in shard.stdout:
+            seen.append(line)
+            if ": recorded " in line:
+                os.killpg(shard.pid, signal.SIGKILL)   # as a batch system does: the whole group
+                break
     finally:
-        if shard.poll() is None:        # as a batch system does: the whole process group
+        if shard.poll() is None:
             os.killpg(shard.pid, signal.SIGKILL)
         shard.wait(timeout=60)
-    assert shard.returncode == -signal.SIGKILL, "the shard ended before it could be killed"
+        shard.stdout.close()
+    recorded = _records(db_url) if _has_table(db_url) else {}
+    assert shard.returncode == -signal.SIGKILL, \
+        "the shard ended before it could be killed: " + "".join(seen[-20:])
     assert 0 < len(recorded) < len(mine), recorded
     time.sleep(1)
     assert len(_records(db_url)) < len(mine), "killed after its last submission: not mid-run"

@@ -629,6 +629,8 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
                     hidden_failures=worker_result.get("instructor_only", {}).get("hidden_failures"))
         if os.path.exists(job["result_path"]):         # kept where the guide says
             os.replace(job["result_path"], os.path.join(work, "results", f"{student}.json"))
+        # progress at class scale; also the moment a crash test kills a shard mid-run
+        log(f"labkit grade {lab}: recorded {student} ({len(results)} of {len(job_list)})")
     record.close()
     shutil.rmtree(results_dir, ignore_errors=True)
     grades_csv = os.path.join(out, f"grades-shard-{shard[0]}-of-{shard[1]}.csv" if shard
