@@ -494,32 +494,18 @@ def _appended(grade_id, extra):
 # Task 1: plain data parallelism whose full optimizer lives in a module global, and a sharded
 # decoy on the instance stepped alongside it: right values, the decoy's state 1/P. Passed the
 # old checker (state counted only where reachable from the instance).
-GLOBAL_FULL_OPTIMIZER = '''
-_Sharded = ShardedOptimizer
-_FULL = []                                   # the real optimizer, out of the instance's reach
+def _wrong_answers_module():
+    """tests/grading/wrong_answers/{lab}.py: the wrong answers labkit grade grades (combined
+    there; one at a time here), so each is written once."""
+    import importlib.util
+    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
+    spec = importlib.util.spec_from_file_location(f"{LAB}_wrong_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class ShardedOptimizer(_Sharded):
-    def __init__(self, params, optimizer_cls, **kwargs):
-        groups = list(params)
-        super().__init__(groups, optimizer_cls, **kwargs)
-        whole = [dict(g) for g in groups] if isinstance(groups[0], dict) else groups
-        _FULL.append(optimizer_cls(whole, **kwargs))
-        self.full = len(_FULL) - 1
-
-    @torch.no_grad()
-    def step(self):
-        for p, piece, chunk, _ in self.entries:
-            if p.grad is None:
-                piece.grad = None
-                continue
-            dist.all_reduce(p.grad)
-            p.grad /= self.world_size
-            start = min(self.rank * chunk, p.numel())
-            piece.grad = p.grad.reshape(-1)[start:start + piece.numel()].clone()
-        self.optimizer.step()                # the decoy: this rank's slices
-        _FULL[self.full].step()              # the values: every parameter, whole
-'''
+GLOBAL_FULL_OPTIMIZER = _wrong_answers_module()._GLOBAL_FULL_OPTIMIZER
 
 # Task 2: the peak as the start of backward only (the optimizer step's moment ignored), and a flat
 # factor over the kept bytes and activations: both within 10% on every old config (one bench

@@ -503,29 +503,19 @@ def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
 # Plain data parallelism where ZeRO-1 is required: the gradients all-reduced over dp and a whole
 # optimizer on every rank. Same values, same bytes (ZeRO paper, section 7); it passed every cell
 # until the traffic cell judged the state each rank's optimizer holds.
-PLAIN_DATA_PARALLEL = _edit(
-    "task2_train_3d",
-    ("    zero1 = mesh.Zero1(stage.parameters(), dp_group, optimizer)\n",
-     "    params = [p for p in stage.parameters() if p.requires_grad]\n"
-     "    master = torch.cat([mesh.local(p).detach().reshape(-1) for p in params]).clone()\n"
-     "    master.requires_grad_(True)\n"
-     "    whole = mesh.model.make_optimizer([master], optimizer)   # all of it, on every rank\n"),
-    ("        zero1.step(scale=1.0)                  # reduce-scatter over dp (a sum), step, all-gather\n"
-     "        zero1.zero_grad()\n",
-     "        with torch.no_grad():\n"
-     "            flat = torch.cat([(mesh.local(p.grad) if p.grad is not None\n"
-     "                               else torch.zeros_like(mesh.local(p))).reshape(-1) for p in params])\n"
-     "            dist.all_reduce(flat, group=dp_group)                # [N]: the whole gradient\n"
-     "            master.grad = flat\n"
-     "            whole.step()\n"
-     "            master.grad = None\n"
-     "            offset = 0\n"
-     "            for p in params:\n"
-     "                t = mesh.local(p)\n"
-     "                t.copy_(master[offset:offset + t.numel()].view_as(t))\n"
-     "                offset += t.numel()\n"
-     "        for p in params:\n"
-     "            p.grad = None\n"))
+def _wrong_answers_module():
+    """tests/grading/wrong_answers/{lab}.py: the wrong answers labkit grade grades (combined
+    there; one at a time here), so each is written once."""
+    import importlib.util
+    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
+    spec = importlib.util.spec_from_file_location(f"{LAB}_wrong_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PLAIN_DATA_PARALLEL = _wrong_answers_module().PLAIN_DATA_PARALLEL(
+    lab_notebooks.answer(LAB, "task2_train_3d"))
 
 
 @pytest.mark.timeout(600)
