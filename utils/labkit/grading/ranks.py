@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import secrets
 import select
 import signal
 import socket
@@ -54,6 +53,9 @@ def _kill(pidfd):
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+_STORE_PORTS = (20_000, 32_768)   # [first, end): below Linux's default ephemeral ports
 
 
 class ReplyRefused(Exception):
@@ -325,7 +327,13 @@ class SandboxWorld(World):
         box.ranks_started = first + size
         self._uids = [rank_uid(box.slot, first + rank) for rank in range(size)]
         self.zygote = zygote     # the sandbox's rank starter; without one, a process per rank
-        self._store_port = 20_000 + secrets.randbelow(20_000)   # in the sandbox's own network
+        # the store's port, in the sandbox's own network: each world of the box its own, below
+        # the kernel's ephemeral range (32768-60999), which gloo's sockets draw from. A random
+        # port in 20000-39999 met a live gloo socket of another world of the box now and then
+        # (EADDRINUSE: "The server socket has failed to listen", a 1-rank world in lab 7)
+        self._store_port = _STORE_PORTS[0] + box.worlds_started % (_STORE_PORTS[1] -
+                                                                   _STORE_PORTS[0])
+        box.worlds_started += 1
         self._spec_dir = tempfile.mkdtemp(prefix="labkit-ranks-", dir=box.private_dir())
         super().__init__(size, backend="gloo", timeout=timeout, teaching=teaching)
 

@@ -194,6 +194,7 @@ class Sandbox:
         self._namespace_pid = None
         self._kernel_dir_fd = None       # the kernel's socket folder, for the grader (start)
         self.ranks_started = 0           # ranks the grader started here (their uids: ranks.py)
+        self.worlds_started = 0          # worlds started here (their store ports: ranks.py)
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, seed_dir: str | None = None):
