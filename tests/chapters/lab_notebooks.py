@@ -62,3 +62,15 @@ def run_lab(lab: str, test_ids: list, answers: dict | None = None,
         except Exception as error:            # noqa: BLE001 - a failing test cell, recorded
             outcome[test_id] = error
     return outcome
+
+
+def wrong_answers(lab: str):
+    """tests/grading/wrong_answers/<lab>.py as a module: the wrong answers `labkit grade` grades
+    (combined into a few submissions there, tests/grading/test_labs.py), run one at a time here,
+    so each is written once."""
+    import importlib.util
+    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{lab}.py"
+    spec = importlib.util.spec_from_file_location(f"{lab}_wrong_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

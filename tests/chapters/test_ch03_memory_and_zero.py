@@ -494,18 +494,7 @@ def _appended(grade_id, extra):
 # Task 1: plain data parallelism whose full optimizer lives in a module global, and a sharded
 # decoy on the instance stepped alongside it: right values, the decoy's state 1/P. Passed the
 # old checker (state counted only where reachable from the instance).
-def _wrong_answers_module():
-    """tests/grading/wrong_answers/{lab}.py: the wrong answers labkit grade grades (combined
-    there; one at a time here), so each is written once."""
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
-    spec = importlib.util.spec_from_file_location(f"{LAB}_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GLOBAL_FULL_OPTIMIZER = _wrong_answers_module()._GLOBAL_FULL_OPTIMIZER
+GLOBAL_FULL_OPTIMIZER = lab_notebooks.wrong_answers(LAB)._GLOBAL_FULL_OPTIMIZER
 
 # Task 2: the peak as the start of backward only (the optimizer step's moment ignored), and a flat
 # factor over the kept bytes and activations: both within 10% on every old config (one bench

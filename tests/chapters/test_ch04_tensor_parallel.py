@@ -434,18 +434,7 @@ def test_vocab_parallel_loss_peak_is_exactly_three_logit_shards_and_two_vectors(
 
 # ---- issue 26: every point needs the work, through the lab's own test cells ---------------------
 
-def _wrong_answers():
-    """tests/grading/wrong_answers/lab04_tensor_parallel.py: the edits, shared with the graded
-    submissions (one source for both)."""
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
-    spec = importlib.util.spec_from_file_location("lab04_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WRONG = _wrong_answers()
+WRONG = lab_notebooks.wrong_answers(LAB)
 TASK_CELLS = {"task1_parallel_linear": ["test_task1_column", "test_task1_row"],
               "task2_tp_block": ["test_task2_block_values", "test_task2_block_traffic"],
               "task3_vocab_parallel_ce": ["test_task3_ce_values", "test_task3_ce_traffic"]}

@@ -422,18 +422,7 @@ def test_reference_executor_runs_on_a_subgroup_for_chapter_6():
 
 # ---- issue 26: every test cell of tasks 2-4 lost by a wrong answer that keeps the others --------
 
-def _wrong_answers():
-    """tests/grading/wrong_answers/lab05_pipeline_parallel.py: the same wrong answers labkit grade
-    grades (there, two combined submissions; here, one at a time, fast)."""
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
-    spec = importlib.util.spec_from_file_location("lab05_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WRONG5 = _wrong_answers()
+WRONG5 = lab_notebooks.wrong_answers(LAB)
 TASK_CELLS = {"task2_find_deadlock": ["test_task2_no_false_alarm", "test_task2_cycle"],
               "task3_run_pipeline": ["test_task3_gradients", "test_task3_messages"],
               "task4_timeline": ["test_task4_timeline", "test_task4_bubble"]}

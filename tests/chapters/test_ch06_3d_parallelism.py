@@ -503,18 +503,7 @@ def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
 # Plain data parallelism where ZeRO-1 is required: the gradients all-reduced over dp and a whole
 # optimizer on every rank. Same values, same bytes (ZeRO paper, section 7); it passed every cell
 # until the traffic cell judged the state each rank's optimizer holds.
-def _wrong_answers_module():
-    """tests/grading/wrong_answers/{lab}.py: the wrong answers labkit grade grades (combined
-    there; one at a time here), so each is written once."""
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
-    spec = importlib.util.spec_from_file_location(f"{LAB}_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PLAIN_DATA_PARALLEL = _wrong_answers_module().PLAIN_DATA_PARALLEL(
+PLAIN_DATA_PARALLEL = lab_notebooks.wrong_answers(LAB).PLAIN_DATA_PARALLEL(
     lab_notebooks.answer(LAB, "task2_train_3d"))
 
 

@@ -445,16 +445,7 @@ def test_fp8_dispatch_reference_passes_and_unscaled_or_bf16_fails():
 # The same wrong answers are graded by labkit grade, two to a submission, from
 # tests/grading/wrong_answers/lab07_mixture_of_experts.py (tests/grading/test_labs.py).
 
-def _wrong_answers():
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{LAB}.py"
-    spec = importlib.util.spec_from_file_location("lab07_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WRONG7 = _wrong_answers()
+WRONG7 = lab_notebooks.wrong_answers(LAB)
 TASK_CELLS = {"task1_dispatch_combine": ["test_task1_dropped", "test_task1_combine"],
               "task2_ep_moe_layer": ["test_task2_values", "test_task2_bytes"],
               "task3_balance_step": ["test_task3_balance"],
