@@ -68,9 +68,9 @@ def wrong_answers(lab: str):
     """tests/grading/wrong_answers/<lab>.py as a module: the wrong answers `labkit grade` grades
     (combined into a few submissions there, tests/grading/test_labs.py), run one at a time here,
     so each is written once."""
-    import importlib.util
-    path = ROOT / "tests" / "grading" / "wrong_answers" / f"{lab}.py"
-    spec = importlib.util.spec_from_file_location(f"{lab}_wrong_answers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import importlib
+    import sys
+    grading = str(ROOT / "tests" / "grading")
+    if grading not in sys.path:
+        sys.path.insert(0, grading)
+    return importlib.import_module(f"wrong_answers.{lab}")

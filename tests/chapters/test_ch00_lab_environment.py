@@ -66,16 +66,6 @@ def _close_worlds():
 TASK2 = ["test_task2_all_reduce_result", "test_task2_length_message"]
 TASK3 = ["test_task3_global_mean", "test_task3_no_values"]
 
-VAGUE = '''
-def all_reduce_result(per_rank_values, op="sum"):
-    reducers = {"sum": sum, "product": math.prod, "max": max, "min": min}
-    if op not in reducers:
-        raise ValueError(f"unknown op {op!r}")
-    if len({len(v) for v in per_rank_values}) > 1:
-        raise ValueError("the ranks passed tensors of different lengths (1 or 2 of them differ)")
-    reduced = [reducers[op](column) for column in zip(*per_rank_values)]
-    return [list(reduced) for _ in per_rank_values]
-'''
 
 MEAN_OF_MEANS = '''
 def global_mean(local_values):
@@ -85,14 +75,6 @@ def global_mean(local_values):
     return mean.item() / dist.get_world_size()
 '''
 
-FLOAT32_SUM = '''
-def global_mean(local_values):
-    totals = torch.stack([local_values.sum(), torch.tensor(float(local_values.numel()))]).to(labkit.device())
-    dist.all_reduce(totals)                    # float32: the sum loses digits
-    if totals[1].item() == 0:
-        raise ValueError("no values")
-    return (totals[0] / totals[1]).item()
-'''
 
 SKIPS_WHEN_EMPTY = '''
 def global_mean(local_values):
@@ -104,25 +86,46 @@ def global_mean(local_values):
     return totals[0].item() / totals[1].item()
 '''
 
-NO_ERROR = '''
+
+
+WRONG = lab_notebooks.wrong_answers(LAB)      # the wrong answers labkit grade also grades
+
+
+def _wrong(grade_id, edit):
+    return edit(lab_notebooks.answer(LAB, grade_id))
+
+
+ALWAYS_REFUSES_LENGTHS = '''
+def all_reduce_result(per_rank_values, op="sum"):
+    lengths = [len(values) for values in per_rank_values]
+    raise ValueError(f"every rank must pass the same number of values; per rank: {lengths}")
+'''
+
+ALWAYS_REFUSES_MEAN = '''
 def global_mean(local_values):
-    totals = torch.tensor([local_values.double().sum().item(), float(local_values.numel())],
-                          dtype=torch.float64, device=labkit.device())
-    dist.all_reduce(totals)
-    return totals[0].item() / max(totals[1].item(), 1.0)      # 0.0 when nobody holds a value
+    raise ValueError("no rank holds a value")
 '''
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, grade_id, source, cells, fails", [
-    ("a message without the lengths", "task2_all_reduce_result", VAGUE, TASK2,
-     {"test_task2_length_message"}),
+    ("leftover items on the last rank", "task1_shard_bounds",
+     _wrong("task1_shard_bounds", WRONG.EXTRAS_LAST), ["test_task1_shard_bounds"],
+     {"test_task1_shard_bounds"}),
+    ("a message without the lengths", "task2_all_reduce_result",
+     _wrong("task2_all_reduce_result", WRONG.VAGUE), TASK2, {"test_task2_length_message"}),
+    ("an unknown op taken for a sum", "task2_all_reduce_result",
+     _wrong("task2_all_reduce_result", WRONG.ANY_OP_IS_A_SUM), TASK2,
+     {"test_task2_all_reduce_result"}),
+    ("always refuses, with the right message", "task2_all_reduce_result",
+     ALWAYS_REFUSES_LENGTHS, TASK2, set(TASK2)),
     ("the mean of per-rank means (and 0 when nobody holds a value)", "task3_global_mean",
      MEAN_OF_MEANS, TASK3, set(TASK3)),
-    ("a float32 sum", "task3_global_mean", FLOAT32_SUM, ["test_task3_global_mean"],
+    ("a float32 sum", "task3_global_mean", _wrong("task3_global_mean", WRONG.FLOAT32), TASK3,
      {"test_task3_global_mean"}),
-    ("no error when nobody holds a value", "task3_global_mean", NO_ERROR, TASK3,
-     {"test_task3_no_values"}),
+    ("no error when nobody holds a value", "task3_global_mean",
+     _wrong("task3_global_mean", WRONG.NO_ERROR), TASK3, {"test_task3_no_values"}),
+    ("always refuses", "task3_global_mean", ALWAYS_REFUSES_MEAN, TASK3, set(TASK3)),
 ])
 def test_wrong_answers_fail_the_cells_of_their_task(name, grade_id, source, cells, fails):
     outcome = run_lab(cells, {grade_id: source})

@@ -74,7 +74,11 @@ def mean_case(world_size: int, kind: str, seed=None):
 
     kind: "equal" (every rank 4 values), "uneven" (rank r holds a random count, several times
     more on some ranks: a mean of per-rank means is off), "rank 0 empty", "all empty". Values use
-    float32's whole precision, so a sum kept in float32 loses digits that float64 keeps."""
+    float32's whole precision; in "uneven" and "rank 0 empty" the last rank's first value is
+    3 * 2**22 (float32's step is 1 there), so a sum kept in float32 drops the fractions of the
+    others (measured: 198 of 200 draws wrong by more than 1e-12 relative, 6 of 200 without the
+    large value), while a float64 sum of these values stays exact. Lab 0's hidden tests draw four
+    such cases, so a float32 sum passes them all with probability about 1e-8."""
     import torch
     from labkit import checks
     case = checks.Case(f"global mean, {kind} counts, P={world_size}", seed)
@@ -83,6 +87,8 @@ def mean_case(world_size: int, kind: str, seed=None):
               "rank 0 empty": [0] + [case.integer(2, 9) for _ in range(world_size - 1)],
               "all empty": [0] * world_size}[kind]
     shares = [case.exact_values((n,), "float32", terms=1) for n in counts]
+    if kind in ("uneven", "rank 0 empty"):
+        shares[-1][0] = 3 * 2 ** 22
     everything = torch.cat([s.double() for s in shares])
     expected = float(everything.mean()) if everything.numel() else None
     return case, shares, expected
@@ -107,8 +113,12 @@ def check_global_mean(world, mean_fn, kind="uneven", timeout=30):
 
 
 def check_no_values_raise(world, mean_fn, timeout=30):
-    """No rank holds a value: ValueError on every rank (not a hang, not NaN)."""
+    """No rank holds a value: ValueError on every rank (not a hang, not NaN); first, on the same
+    ranks, an input where rank 0 alone holds nothing must be accepted (a mean that always raises
+    earns nothing here; its value is judged by check_global_mean)."""
     from labkit import checks
     case, shares, _ = mean_case(world.size, "all empty")
+    _, ordinary, _ = mean_case(world.size, "rank 0 empty")
     checks.expect_value_error_on_every_rank(world, _mean_program, shares, mean_fn, case=case,
-                                            refused="no rank holds a value", timeout=timeout)
+                                            refused="no rank holds a value", timeout=timeout,
+                                            ordinary=ordinary)

@@ -245,10 +245,21 @@ def expect_traffic(traffic, data, messages=None, case=None, what: str = "the cal
 # ---- lab 0 --------------------------------------------------------------------------------------
 
 def expect_value_error_on_every_rank(world, program, shares, *args, case=None,
-                                     refused: str, timeout: float | None = None) -> None:
+                                     refused: str, timeout: float | None = None,
+                                     ordinary: list | None = None) -> None:
     """Run `program` on every rank with its own share (`world.run_each`); pass only if every rank
-    raised ValueError. `refused` says what should have been refused, for the message."""
+    raised ValueError. `refused` says what should have been refused, for the message.
+    `ordinary`: shares of an input that must be accepted, run first on the same ranks: a function
+    that refuses everything must not earn a refusal's points (issue 26, class 3)."""
     from labkit.errors import RankError
+    if ordinary is not None:
+        try:
+            world.run_each(program, ordinary, *args, timeout=timeout)
+        except RankError as error:
+            first_lines = {rank: text.splitlines()[0][:80] for rank, text in error.errors.items()}
+            raise AssertionError(
+                f"[{case}] an ordinary input (values on the ranks) was refused before the bad one "
+                f"was tried: {first_lines}; raise only when {refused}") from None
     try:
         world.run_each(program, shares, *args, timeout=timeout)
     except RankError as error:

@@ -16,6 +16,23 @@ import importlib
 import pkgutil
 
 
+def edit(source: str, old: str, new: str) -> str:
+    """`source` with `old` replaced by `new`; fails loudly when the solution no longer holds
+    `old` (a wrong answer that silently became the solution would grade as full marks)."""
+    if old not in source:
+        raise ValueError(f"the solution changed: {old!r} is gone; update this wrong answer")
+    return source.replace(old, new)
+
+
+def swap(*pairs):
+    """The wrong answer made by the edits (old, new) in turn, as a function of the source."""
+    def wrong(source: str) -> str:
+        for old, new in pairs:
+            source = edit(source, old, new)
+        return source
+    return wrong
+
+
 def load() -> dict:
     """{lab: WRONG} for every module of this folder."""
     found = {}

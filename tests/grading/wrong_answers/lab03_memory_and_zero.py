@@ -14,6 +14,8 @@
   10% on the old configs, one bench shape; 28-31% low on the new ones).
 The per-cell coverage (bad inputs, padding, a rank holding nothing) is in
 tests/chapters/test_ch03_memory_and_zero.py."""
+from wrong_answers import swap
+
 
 _GLOBAL_FULL_OPTIMIZER = '''
 _Sharded = ShardedOptimizer
@@ -45,23 +47,15 @@ class ShardedOptimizer(_Sharded):
 _PEAK = "    peak = sum(kept.values()) + max(activations + backward, optimizer_step)\n"
 
 
-def _replace(old, new):
-    def wrong(source):
-        if source.count(old) != 1:
-            raise AssertionError(f"the solution changed: {old!r} not found once")
-        return source.replace(old, new)
-    return wrong
-
-
 WRONG = {
     "global_and_one_moment": ({
         "task1_sharded_optimizer": lambda source: source + "\n" + _GLOBAL_FULL_OPTIMIZER,
-        "task2_predict_memory": _replace(_PEAK, "    peak = sum(kept.values()) + activations + backward\n"),
-        "task3_predict_collectives": _replace("(2 if reshard_after_forward else 1) * m * L", "2 * m * L"),
+        "task2_predict_memory": swap((_PEAK, "    peak = sum(kept.values()) + activations + backward\n")),
+        "task3_predict_collectives": swap(("(2 if reshard_after_forward else 1) * m * L", "2 * m * L")),
     }, None, 1),
     "world_size_and_fudge": ({
-        "task1_sharded_optimizer": _replace("dist.get_rank(), dist.get_world_size()",
-                                            "dist.get_rank(), WORLD_SIZE"),
-        "task2_predict_memory": _replace(_PEAK, "    peak = 1.2 * (sum(kept.values()) + activations)\n"),
+        "task1_sharded_optimizer": swap(("dist.get_rank(), dist.get_world_size()",
+                                             "dist.get_rank(), WORLD_SIZE")),
+        "task2_predict_memory": swap((_PEAK, "    peak = 1.2 * (sum(kept.values()) + activations)\n")),
     }, None, 4),
 }

@@ -21,62 +21,58 @@ checkers the test cells call and asserts the checks it fails:
     write_never_matters    task 4  loses test_task4_interval (2): sqrt(2 stall M) whatever the write
 
 Two submissions of 27 points (one wrong answer per task each)."""
+from wrong_answers import edit
+
 
 POINTS = 27
 
 
-def _replace(source: str, old: str, new: str) -> str:
-    if old not in source:
-        raise ValueError(f"the solution changed: {old!r} is gone; update this wrong answer")
-    return source.replace(old, new)
-
-
 def removes_nothing(source: str) -> str:
-    return _replace(source, "    names = sorted(os.listdir(folder))\n",
+    return edit(source, "    names = sorted(os.listdir(folder))\n",
                     "    return []\n    names = sorted(os.listdir(folder))\n")
 
 
 def shards_first(source: str) -> str:
-    return _replace(source, "    for sid in gone:                                 # 1. unpublish: "
+    return edit(source, "    for sid in gone:                                 # 1. unpublish: "
                             "no loader can pick it now\n",
                     "    for sid in gone:\n"
                     "        shutil.rmtree(os.path.join(folder, sid), ignore_errors=True)\n")
 
 
 def replays_from_zero(source: str) -> str:
-    return _replace(source, '    old = FlatLayout.from_dict(parts[0]["layout"])\n',
+    return edit(source, '    old = FlatLayout.from_dict(parts[0]["layout"])\n',
                     '    if len(parts) == trainer.world_size:           # replay: same run\n'
                     '        trainer.train(parts[0]["steps"])\n        return\n'
                     '    old = FlatLayout.from_dict(parts[0]["layout"])\n')
 
 
 def own_range_only(source: str) -> str:
-    return _replace(source, "getattr(opt, name).copy_(flat[start:end])",
+    return edit(source, "getattr(opt, name).copy_(flat[start:end])",
                     "getattr(opt, name).copy_(parts[trainer.rank][name])")
 
 
 def one_buffer_set(source: str) -> str:
-    return _replace(source, "self.free = [0, 1]", "self.free = [0]")
+    return edit(source, "self.free = [0, 1]", "self.free = [0]")
 
 
 def copies_in_the_writer(source: str) -> str:
-    source = _replace(source, "        for key in state:                    # the copy: the next "
+    source = edit(source, "        for key in state:                    # the copy: the next "
                               "step may change the tensors\n"
                               "            target[key].copy_(state[key])\n",
                       "        self.live = state\n")
-    return _replace(source, "                self.write(step, self.sets[index])",
+    return edit(source, "                self.write(step, self.sets[index])",
                     "                for key in self.live:\n"
                     "                    self.sets[index][key].copy_(self.live[key])\n"
                     "                self.write(step, self.sets[index])")
 
 
 def durable_at_the_copy(source: str) -> str:
-    return _replace(source, "                    pending, since = (t + write, done), 0.0",
+    return edit(source, "                    pending, since = (t + write, done), 0.0",
                     "                    pending, since = (t, done), 0.0")
 
 
 def write_never_matters(source: str) -> str:
-    return _replace(source, "    return max(write, math.sqrt(2 * stall * mtbf))",
+    return edit(source, "    return max(write, math.sqrt(2 * stall * mtbf))",
                     "    return math.sqrt(2 * stall * mtbf)")
 
 

@@ -16,51 +16,47 @@ returns the wrong one; tests/chapters/test_ch09_failures_at_scale.py runs each o
                                    and vocabulary size, not by its hash
 
 Two submissions of 20 points (one wrong answer per task each)."""
+from wrong_answers import edit
+
 
 POINTS = 20
-
-
-def _replace(source: str, old: str, new: str) -> str:
-    if old not in source:
-        raise ValueError(f"the solution changed: {old!r} is gone; update this wrong answer")
-    return source.replace(old, new)
 
 
 _RETURN = '    return {"straggler": straggler, "missing": missing, "hot_expert": hot}'
 
 
 def diagnose_never_fires(source: str) -> str:
-    return _replace(source, _RETURN,
+    return edit(source, _RETURN,
                     '    return {"straggler": None, "missing": None, "hot_expert": None}')
 
 
 def busiest_is_hot(source: str) -> str:
-    return _replace(source, "hot = detect.hot_expert(total)",
+    return edit(source, "hot = detect.hot_expert(total)",
                     "hot = detect.hot_expert(total, ratio=1.0)")
 
 
 def snapshot_before_check(source: str) -> str:
-    source = _replace(source, '        norm = stats["grad_norm"]\n',
+    source = edit(source, '        norm = stats["grad_norm"]\n',
                       '        norm = stats["grad_norm"]\n'
                       '        if (step + 1) % self.snapshot_every == 0:   # snapshot first\n'
                       '            self.good = (step + 1, spikes.snapshot(self.model, '
                       'self.optimizer), list(self.history))\n')
-    return _replace(source, "        if (step + 1) % self.snapshot_every == 0:     # the state "
+    return edit(source, "        if (step + 1) % self.snapshot_every == 0:     # the state "
                             "after a normal step\n", "        if False:\n")
 
 
 def guard_never_fires(source: str) -> str:
-    return _replace(source, '        norm = stats["grad_norm"]\n', "        return None\n")
+    return edit(source, '        norm = stats["grad_norm"]\n', "        return None\n")
 
 
 def refuses_everything(source: str) -> str:
-    return _replace(source, '    step, B, old_size = snapshot["step"]',
+    return edit(source, '    step, B, old_size = snapshot["step"]',
                     '    raise ValueError("tokenizer, data mixture, seed, cursor, global batch and '
                     'world size checked")\n    step, B, old_size = snapshot["step"]')
 
 
 def tokenizer_by_name(source: str) -> str:
-    return _replace(source, 'if run["tokenizer"] != snapshot["tokenizer"]:',
+    return edit(source, 'if run["tokenizer"] != snapshot["tokenizer"]:',
                     'if (run["tokenizer"]["name"], run["tokenizer"]["vocab_size"]) != '
                     '(snapshot["tokenizer"]["name"], snapshot["tokenizer"]["vocab_size"]):')
 

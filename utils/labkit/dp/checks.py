@@ -177,15 +177,19 @@ def check_logged_loss(world, step_fn, timeout=60):
 
 
 def check_empty_batch(world, step_fn, timeout=30):
-    """No valid token on any rank: ValueError on every rank, no hang, no NaN."""
+    """No valid token on any rank: ValueError on every rank, no hang, no NaN; first, on the same
+    ranks, a batch where rank 0 alone holds no token must be accepted (a step that always raises
+    earns nothing here; its values are judged by the other cells)."""
     P = world.size
     case, shares, _ = accumulation_case(P, f"empty global batch, P={P}", 2, empty=True)
+    _, ordinary, _ = accumulation_case(P, f"rank 0 without tokens, P={P}", 2, empty_rank=0)
     problem = ddp_world_problem(world)
     if problem:
         raise ValueError(problem)
     checks.expect_value_error_on_every_rank(
         world, _accumulation_program, shares, step_fn, case=case, timeout=timeout,
-        refused="no rank holds a valid token (after the ranks agree on the count)")
+        refused="no rank holds a valid token (after the ranks agree on the count)",
+        ordinary=ordinary)
 
 
 # ---- task 2: the global norm, the clipped step, the skipped step --------------------------------
