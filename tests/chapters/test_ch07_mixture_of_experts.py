@@ -78,6 +78,74 @@ def test_route_at_top_1_keeps_the_probability_so_the_router_learns():
     torch.testing.assert_close(two.sum(-1), torch.ones(16, dtype=torch.float64))
 
 
+# Three routers as their models' code computes them (written here from those sources, not
+# imported: transformers is not a dependency of this course), against moe.route.
+
+def _switch_top1_router(logits):
+    """transformers' SwitchTransformersTop1Router.forward (models/switch_transformers/
+    modeling_switch_transformers.py): softmax in float32, the argmax, and the gate is that
+    expert's probability (torch.max of the probabilities): nothing is renormalised."""
+    probs = logits.float().softmax(dim=-1)
+    gate, expert = probs.max(dim=-1)
+    return gate.unsqueeze(-1), expert.unsqueeze(-1)
+
+
+def _mixtral_router(logits, top_k=2):
+    """transformers' MixtralSparseMoeBlock.forward (models/mixtral/modular_mixtral.py): softmax
+    in float32, topk, then the k weights divided by their sum."""
+    weights, experts = logits.float().softmax(dim=1).topk(top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def _deepseek_v3_gate(logits, bias, top_k=8, n_groups=8, topk_groups=4, route_scale=2.5):
+    """DeepSeek-V3's Gate.forward (deepseek-ai/DeepSeek-V3, inference/model.py), sigmoid scores:
+    the bias added for selection only; each group (a node) scored by the sum of its two best
+    biased scores; the experts of all but the topk_groups best groups masked out; top-k; the
+    chosen unbiased scores divided by their sum and multiplied by route_scale."""
+    affinity = logits.sigmoid()                                       # [N, E]
+    biased = (affinity + bias).view(logits.size(0), n_groups, -1)     # [N, groups, E / groups]
+    best_groups = biased.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices
+    outside = torch.ones(biased.shape[:2], dtype=torch.bool).scatter(1, best_groups, False)
+    masked = biased.masked_fill(outside.unsqueeze(-1), float("-inf")).flatten(1)
+    experts = masked.topk(top_k, dim=-1).indices
+    weights = affinity.gather(1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True) * route_scale, experts
+
+
+def test_route_matches_switch_mixtral_and_deepseek_v3_as_their_code_routes():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    for reference, top_k in ((_switch_top1_router, 1), (_mixtral_router, 2)):
+        want_weights, want_experts = reference(logits)
+        got_weights, got_experts = moe.route(logits, top_k)            # the default
+        assert torch.equal(got_experts, want_experts), reference.__name__
+        torch.testing.assert_close(got_weights.float(), want_weights)
+    # DeepSeek-V3 at its own size: E = 256 in 8 groups (nodes), 4 of them per token, top-8
+    logits = torch.randn(512, 256, generator=g, dtype=torch.float64)
+    bias = torch.randn(256, generator=g, dtype=torch.float64) * 0.05
+    want_weights, want_experts = _deepseek_v3_gate(logits, bias)
+    got_weights, got_experts = moe.route(logits, 8, bias, score="sigmoid", groups=8, top_groups=4)
+    assert torch.equal(got_experts, want_experts)
+    torch.testing.assert_close(got_weights * 2.5, want_weights, rtol=1e-12, atol=1e-12)
+    nodes_per_token = [len(set(row)) for row in (got_experts // 32).tolist()]
+    assert max(nodes_per_token) <= 4
+    unlimited = moe.route(logits, 8, bias, score="sigmoid")[1]
+    assert max(len(set(row)) for row in (unlimited // 32).tolist()) > 4   # the limit binds
+    everything = moe.route(logits, 8, bias, score="sigmoid", groups=8, top_groups=8)[1]
+    assert torch.equal(everything, unlimited)                  # all groups allowed: no limit
+
+
+def test_group_limited_route_rejects_groups_that_do_not_fit():
+    with pytest.raises(ValueError, match=r"groups \(3\) must divide the number of experts \(8\)"):
+        moe.route(torch.zeros(2, 8), 2, groups=3, top_groups=1)
+    with pytest.raises(ValueError, match=r"top_groups \* experts per group \(1 \* 2\) >= top_k"):
+        moe.route(torch.zeros(2, 8), 3, groups=4, top_groups=1)
+    with pytest.raises(ValueError, match="needs both groups and top_groups"):
+        moe.route(torch.zeros(2, 8), 2, groups=4)
+    with pytest.raises(ValueError, match="score must be 'softmax' or 'sigmoid'"):
+        moe.route(torch.zeros(2, 8), 2, score="relu")
+
+
 def test_route_and_capacity_reject_bad_arguments_with_the_values():
     with pytest.raises(ValueError, match=r"between 1 and the number of experts \(4\), got 5"):
         moe.route(torch.zeros(3, 4), 5)
@@ -234,7 +302,7 @@ def test_fp8_error_bound_holds_over_magnitudes(seed, hidden, block, log_scale):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_reference_ep_layer_passes_every_check(size):
-    world = labkit.world(size, timeout=30)
+    world = labkit.world(size, timeout=90)
     checks.check_ep_layer(world, REF["ep_moe_layer"], experts_per_rank=2, top_k=2, seed=size)
     if size >= 3:
         checks.check_ep_layer(world, REF["ep_moe_layer"], experts_per_rank=3, top_k=3,
@@ -297,8 +365,8 @@ def test_reference_ep_layer_trains_like_one_process(dtype, freeze_router):
     batches = [[[draw(n) for n in sizes[r]] for r in range(P)] for _ in range(3)]
     case = {"layer": REF["ep_moe_layer"], "router": router, "experts": experts, "top_k": 2,
             "batches": batches, "lr": 0.05, "freeze_router": freeze_router}
-    world = labkit.world(P, timeout=30, teaching=False)
-    histories = world.run(_train_ep, case)
+    world = labkit.world(P, timeout=90, teaching=False)   # the ranks import this module (and
+    histories = world.run(_train_ep, case)              # nbformat): slow on a loaded machine
     reference = _train_reference(case, P)
     tol = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for step, (experts_ref, router_ref) in enumerate(reference):
@@ -316,12 +384,12 @@ def _raise_then_run(share, layer):
 
 @pytest.mark.timeout(120)
 def test_an_error_in_the_middle_of_a_step_leaves_the_next_call_right():
-    world = labkit.world(3, timeout=30, teaching=False)
+    world = labkit.world(3, timeout=90, teaching=False)
     case = lab_checks.Case("bad top_k", seed=8)
     shares, _, _ = checks.ep_case(case, 3)
     bad = [dict(share, top_k=99) for share in shares]   # every rank raises before communicating
     with pytest.raises(labkit.RankError) as raised:
-        world.run_each(_raise_then_run, bad, REF["ep_moe_layer"], timeout=30)
+        world.run_each(_raise_then_run, bad, REF["ep_moe_layer"], timeout=90)
     assert sorted(raised.value.errors) == [0, 1, 2] and "top_k" in str(raised.value)
     checks.check_ep_layer(world, REF["ep_moe_layer"], seed=9)
 
@@ -384,7 +452,7 @@ def _ep_layer_padded(x, router, local_experts, top_k):
 
 @pytest.mark.timeout(180)
 def test_checkers_reject_an_empty_expert_bug_and_padded_splits():
-    world = labkit.world(3, timeout=30, teaching=False)
+    world = labkit.world(3, timeout=90, teaching=False)
     checks.check_ep_layer(world, _ep_layer_grouped_by_unique, seed=10)  # right: no expert is empty
     with pytest.raises(AssertionError, match=r"experts \[1, 4\] get no row at all"):
         checks.check_ep_layer(world, _ep_layer_grouped_by_unique, experts_per_rank=3,
@@ -412,7 +480,7 @@ def _balance_from_local_batch(router_logits, top_k, bias, alpha, gamma):
 
 @pytest.mark.timeout(120)
 def test_balance_reference_passes_and_a_per_rank_balance_fails():
-    world = labkit.world(3, timeout=30, teaching=False)
+    world = labkit.world(3, timeout=90, teaching=False)
     checks.check_balance_step(world, REF["balance_step"], seed=15)
     checks.check_balance_step(world, REF["balance_step"], tokens=[0, 7, 0], top_k=3, seed=16)
     checks.check_balance_refuses_empty_batch(world, REF["balance_step"])
@@ -433,12 +501,31 @@ def _fp8_dispatch_in_bf16(rows, send_counts, block=128):
 
 @pytest.mark.timeout(120)
 def test_fp8_dispatch_reference_passes_and_unscaled_or_bf16_fails():
-    world = labkit.world(3, timeout=30, teaching=False)
+    world = labkit.world(3, timeout=90, teaching=False)
     checks.check_fp8_dispatch(world, REF["fp8_dispatch"], seed=17)
     with pytest.raises(AssertionError, match="off by more than FP8"):
         checks.check_fp8_dispatch(world, _fp8_dispatch_without_scales, seed=17)
     with pytest.raises(AssertionError, match="BF16 would be two bytes per value"):
         checks.check_fp8_dispatch(world, _fp8_dispatch_in_bf16, seed=17)
+
+
+@pytest.mark.timeout(180)
+def test_top1_router_gradient_is_checked_where_it_exists_and_a_detached_gate_fails_it():
+    """Lab 7's hidden top-1 case of task 2 (issue 26): the gate is the chosen expert's probability
+    (moe.route keeps it at K = 1), so the reference's router gradient is not zero, and a layer
+    whose gates are detached fails that case on its own (before the fix both sides were zero)."""
+    world = labkit.world(3, timeout=90, teaching=False)
+    results = checks.check_ep_layer(world, REF["ep_moe_layer"], experts_per_rank=1, top_k=1,
+                                    seed=21)
+    for rank, got in enumerate(results):
+        assert got["router"].abs().max().item() > 1e-3, (rank, got["router"].abs().max())
+    detached = lab_notebooks.answer_cells(
+        LAB, {"task2_ep_moe_layer": WRONG7.router_detached(
+            lab_notebooks.answer(LAB, "task2_ep_moe_layer"))},
+        torch=torch, dist=dist, labkit=labkit, moe=moe, ep=ep, fp8=fp8, checks=checks)
+    with pytest.raises(AssertionError, match=r"(?s)router gradient.*router got no gradient at all"):
+        checks.check_ep_layer(world, detached["ep_moe_layer"], experts_per_rank=1, top_k=1,
+                              seed=21)
 
 
 # ---- issue 26: every test cell lost by a wrong answer that keeps the lab's other cells ----------

@@ -7,16 +7,21 @@ returns the wrong one; tests/chapters/test_ch07_mixture_of_experts.py runs every
     renormalise_kept      task 1  loses test_task1_combine (2): the kept gates renormalised after
                                   dropping (the text: before)
     router_detached       task 2  loses test_task2_values (3): gates detached, the router learns
-                                  nothing (right bytes)
+                                  nothing (right outputs, right bytes); lost on the visible top-2
+                                  case and, alone, on the hidden top-1 one, where the gate is the
+                                  chosen expert's probability (moe.route keeps it at K = 1)
     world_of_three        task 2  loses test_task2_values and test_task2_bytes (5): `3` where the
-                                  code needs P (right at the lab's locked 3 ranks)
+                                  code needs P (right at the lab's locked 3 ranks); run by the
+                                  chapter test only: it loses both of task 2's cells, so graded it
+                                  would show neither is needed on its own
     dense_off_the_bench   task 2  loses test_task2_bytes (2): every token sent to every rank
                                   unless the hidden size is the one the byte test used to measure
     local_balance         task 3  loses test_task3_balance (3): the rank's own batch, never reduced
     float64_dequantize    task 4  loses test_task4_quantize (1): dequantize returns float64
     bf16_dispatch         task 4  loses test_task4_dispatch (2): rows in BF16 on the wire
 
-Two submissions of 15 points (one wrong answer per task each)."""
+Two submissions of 15 points (one wrong answer per task each), which between them fail every
+test cell of the lab while passing a sibling cell of the same task."""
 
 
 def _replace(source: str, old: str, new: str) -> str:
@@ -81,10 +86,10 @@ def bf16_dispatch(source: str) -> str:
 
 POINTS = 15
 WRONG = {
-    "wrong_task1_position_task2_three_task3_local_task4_bf16": (
-        {"task1_dispatch_combine": drop_by_position, "task2_ep_moe_layer": world_of_three,
+    "wrong_task1_position_task2_detached_task3_local_task4_bf16": (
+        {"task1_dispatch_combine": drop_by_position, "task2_ep_moe_layer": router_detached,
          "task3_balance_step": local_balance, "task4_fp8": bf16_dispatch},
-        None, POINTS - 2 - 5 - 3 - 2),
+        None, POINTS - 2 - 3 - 3 - 2),
     "wrong_task1_renormalised_task2_dense_task4_float64": (
         {"task1_dispatch_combine": renormalise_kept, "task2_ep_moe_layer": dense_off_the_bench,
          "task4_fp8": float64_dequantize},

@@ -2,7 +2,8 @@
 (`course/07_mixture_of_experts.ipynb`), lab 7 and the interview drill.
 
     from labkit import moe
-    weights, experts = moe.route(logits, top_k=2)              # softmax, top-k, renormalised (k > 1)
+    weights, experts = moe.route(logits, top_k=2)        # softmax, top-k, renormalised (k > 1)
+    moe.route(logits, 8, bias, score="sigmoid", groups=8, top_groups=4)   # DeepSeek-V3's gate
     moe.capacity(tokens=4096, top_k=8, experts=256, factor=1.25)   # -> 160 slots per expert
     moe.ep_bytes_per_rank(tokens=4096, top_k=8, hidden=7168, ep=64)  # dispatch + combine, BF16
     moe.imbalance([950, 1020, 890, 3200])                      # cv, max_over_mean, gini
@@ -43,21 +44,31 @@ DEEPSEEK_V3 = {
 
 
 def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
-          renormalise: bool | None = None):
-    """Top-k routing: softmax over the E experts, the k largest, their weights.
+          renormalise: bool | None = None, score: str = "softmax", groups: int | None = None,
+          top_groups: int | None = None):
+    """Top-k routing: scores over the E experts, the k largest, their weights.
 
     logits: [N, E]. Returns (weights [N, K], experts [N, K] int64), each row's choices in
     decreasing order of selection score. With `bias` ([E], DeepSeek-V3's auxiliary-loss-free
-    balancing) the experts are selected by probs + bias, but the weights still come from the
-    probabilities alone: the bias steers who is chosen, never how much an expert's output counts.
+    balancing) the experts are selected by scores + bias, but the weights still come from the
+    scores alone: the bias steers who is chosen, never how much an expert's output counts.
     Half-precision logits are routed in float32 (a softmax in BF16 ties and misorders experts).
 
-    `renormalise`: divide the k chosen probabilities by their sum (GShard's top-2 and Mixtral do;
+    `score`: "softmax" (probabilities over the E experts: Switch, GShard, Mixtral) or "sigmoid"
+    (an independent affinity per expert: DeepSeek-V3, section 2.1.2 of its report).
+
+    `renormalise`: divide the k chosen scores by their sum (GShard's top-2 and Mixtral do;
     DeepSeek-V3 does it over its sigmoid scores) or keep them as they are (Switch Transformer's
     top-1: the gate is the chosen expert's probability p, so the router learns through y = p E(x);
     renormalised, a single choice is exactly 1 and the router gets no gradient from the task).
     The default, None, is what those models do: renormalise when top_k > 1, not at top_k = 1.
-    Taught in chapter 7, section 1.
+    (DeepSeek-V3 also multiplies its weights by a constant, 2.5: not done here.)
+
+    `groups`, `top_groups`: group-limited routing, DeepSeek-V3's node-limited routing with a
+    group per node. The E experts form `groups` contiguous groups; a group's score is the sum of
+    its top_k // top_groups (at least 1) largest selection scores; a token selects its top_k
+    experts among the `top_groups` best groups only, so it reaches at most top_groups nodes
+    (DeepSeek-V3: 8 groups, 4 of them, top-8). Taught in chapter 7, sections 1 and 5.
     """
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [N, E], got shape {tuple(logits.shape)}")
@@ -65,22 +76,47 @@ def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
     if not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be an int between 1 and the number of experts "
                          f"({n_experts}), got {top_k!r}")
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    probs = logits.softmax(dim=-1)                                   # [N, E]
+    scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()   # [N, E]
     if bias is None:
-        selection = probs
+        selection = scores
     else:
         if bias.shape != (n_experts,):
             raise ValueError(f"bias must be [E] = [{n_experts}], got {tuple(bias.shape)}")
-        selection = probs + bias.to(probs.dtype)
+        selection = scores + bias.to(scores.dtype)
+    if groups is not None or top_groups is not None:
+        selection = _limit_to_groups(selection, top_k, groups, top_groups)
     _, experts = selection.topk(top_k, dim=-1)                       # [N, K]
-    weights = probs.gather(1, experts)                               # [N, K]
+    weights = scores.gather(1, experts)                              # [N, K]
     if renormalise is None:
         renormalise = top_k > 1
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def _limit_to_groups(selection, top_k, groups, top_groups):
+    """selection [N, E] with every expert outside a token's `top_groups` best groups at -inf."""
+    n_tokens, n_experts = selection.shape
+    if not (isinstance(groups, int) and isinstance(top_groups, int)):
+        raise ValueError(f"group-limited routing needs both groups and top_groups as ints, got "
+                         f"groups={groups!r}, top_groups={top_groups!r}")
+    if groups < 1 or n_experts % groups:
+        raise ValueError(f"groups ({groups}) must divide the number of experts ({n_experts})")
+    per_group = n_experts // groups
+    if not 1 <= top_groups <= groups or top_groups * per_group < top_k:
+        raise ValueError(f"top_groups ({top_groups}) must be between 1 and groups ({groups}), "
+                         f"and top_groups * experts per group ({top_groups} * {per_group}) "
+                         f">= top_k ({top_k})")
+    by_group = selection.view(n_tokens, groups, per_group)                     # [N, G, E/G]
+    best = min(per_group, max(1, top_k // top_groups))
+    group_score = by_group.topk(best, dim=-1).values.sum(dim=-1)               # [N, G]
+    keep = torch.zeros(n_tokens, groups, dtype=torch.bool, device=selection.device)
+    keep.scatter_(1, group_score.topk(top_groups, dim=-1).indices, True)       # [N, G]
+    return by_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n_tokens, n_experts)
 
 
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:

@@ -102,7 +102,8 @@ def check_dispatch_combine(dispatch, combine, tokens=48, experts=6, top_k=2,
     checks.check(y, expected, "combine's output", rtol=tolerance[0], atol=tolerance[1], case=case,
                  hint="expert e ran on rows sum(tokens_per_expert[:e]) .. sum(tokens_per_expert"
                       "[:e+1]) of plan['packed']; combine must weigh each output by its gate "
-                      "weight (renormalised over the K, before dropping) and add it to its token")
+                      "weight (as moe.route gave it: for K > 1 renormalised over the K before "
+                      "dropping, never after) and add it to its token")
     return y
 
 

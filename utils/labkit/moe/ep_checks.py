@@ -140,10 +140,15 @@ def check_ep_layer(world, layer, experts_per_rank=2, top_k=2, hidden=16, dtype="
                        "rows by local expert, an expert with no row must still have its (empty) "
                        "group, or the experts after it take the wrong rows)")
     for rank, (got, want) in enumerate(zip(results, expected)):
-        for key in ("y", "x", "router", "experts"):
+        for key in ("y", "router", "x", "experts"):   # router before x: x's gradient also flows
+            # through the gates, and a detached gate is named by the router's hint, not x's
             what = f"rank {rank}'s " + ("output" if key == "y" else f"{key} gradient")
+            hint = hints[key]
+            if key == "router" and not got[key].any() and want[key].any():
+                hint = ("the router got no gradient at all: are the gate weights detached (or "
+                        "taken out of the graph by .item(), .tolist() or torch.no_grad)? " + hint)
             checks.check(got[key].cpu(), want[key], what, rtol=rtol, atol=atol, case=case,
-                         hint=hints[key])
+                         hint=hint)
     return results
 
 
