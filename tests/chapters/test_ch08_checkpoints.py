@@ -583,6 +583,63 @@ def test_dcp_replicated_keys_are_spread_over_the_ranks_files(tmp_path, world3):
     assert sorted(sizes) == [0, 1, 2] and sizes[1] > sizes[2] > sizes[0], sizes   # 3, 2, 1 keys
 
 
+def _dcp_shard_first_save(folder, plain_floats):
+    """w ([16 P], Shard(0)) first, then plain keys, each rank saving its own number."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {"w": DTensor.from_local(torch.full((16,), float(rank)), mesh, [Shard(0)])}
+    state.update({key: torch.full((n,), float(rank)) for key, n in plain_floats.items()})
+    dcp.save(state, checkpoint_id=folder)
+
+
+def test_dcp_dedup_counts_a_shard_at_its_whole_tensors_bytes(tmp_path, world3):
+    """The walk of _dedup_save_plans.py counts each item at tensor_storage_size(), which reads the
+    *global* size: rank 0's shard of w ([48] float32) counts 192 bytes, not 64. Worked by hand,
+    P = 3, plain keys a, b (160 B each), c (4 B): global count (192, 0, 0) -> a: 1, b: 2,
+    c: 1 (160 = 160 < 192, lowest rank on the tie); a rule that counts the shard's own 64 bytes
+    sends c to rank 0. The other ranks' shards are met after rank 0's whole plan."""
+    from labkit.checkpoint import dcp_files
+    folder = str(tmp_path / "dcp")
+    world3.run(_dcp_shard_first_save, folder, {"a": 40, "b": 40, "c": 1})
+    right = {("w", (0,)): 0, ("w", (16,)): 1, ("w", (32,)): 2, "a": 1, "b": 2, "c": 1}
+    rows = dcp_files.check_writers(folder, right)
+    assert [row[0] for row in rows] == list(right) and all(p == o for _, p, o in rows), rows
+    with pytest.raises(ValueError, match=r"'c': predicted rank 0, written by rank 1"):
+        dcp_files.check_writers(folder, dict(right, c=0))         # the shard's own bytes
+    with pytest.raises(ValueError, match=r"'a': predicted rank 0.*'b': predicted rank 0"):
+        dcp_files.check_writers(folder, dict(right, a=0, b=0, c=1))   # "rank 0's copy"
+    with pytest.raises(ValueError, match="split over ranks"):
+        dcp_files.check_writers(folder, {"w": 0})                  # a shard, named as a key
+    with pytest.raises(ValueError, match="not in"):
+        dcp_files.check_writers(folder, {"d": 0})
+
+
+def _replicated_bench_on_dcp(config, folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    trainer = bench.Trainer(config)
+    trainer.train(2)
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    return sum(p.numel() for p in trainer.model.parameters())
+
+
+def test_dcp_writes_one_copy_of_a_replicated_trainer_12_bytes_per_parameter(tmp_path, world3):
+    """No gradients in a checkpoint: FP32 weights + two AdamW moments = 12 Psi bytes on disk, and
+    once for the world (dedup), not once per rank (3 x 12 Psi at P = 3)."""
+    from labkit.checkpoint import dcp_files
+    folder = str(tmp_path / "dcp")
+    psi = world3.run(_replicated_bench_on_dcp, dict(bench.CONFIG, hidden=1024), folder)[0]
+    sizes = dcp_files.file_sizes(folder)
+    assert sorted(sizes) == [0, 1, 2] and all(sizes.values()), sizes   # spread over the ranks
+    assert sum(sizes.values()) == pytest.approx(12 * psi, rel=0.01), (sizes, psi)
+
+
 def test_dcp_files_refuses_an_unfinished_save(tmp_path):
     from labkit.checkpoint import dcp_files
     with pytest.raises(FileNotFoundError, match="no .metadata"):

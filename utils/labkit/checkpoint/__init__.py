@@ -9,7 +9,7 @@
 | `store` | write_shard, commit, commit_folder, verify, load_latest: atomic publication | 1-3; ch. 9 |
 | `crash` | crash trials: a lean helper forks victims and SIGKILLs them at chosen points | 1, 2, 3 |
 | `trials` | where a crash trial's kill landed, the table of trials by phase | 2 |
-| `dcp_files` | which rank's DCP file holds each key (read from DCP's `.metadata`), file sizes | 3 |
+| `dcp_files` | which rank's DCP file holds each key or piece (read from `.metadata`), `check_writers` (a predicted writer per key against it), file sizes | 3, 4 |
 | `bench` | the training bench: model, AdamW, scheduler, scaler, RNGs, data cursor, hashes | 4, 5 |
 | `resume` | capture / restore of the bench's full state (replicated trainer) | 4; ch. 9 |
 | `zero` | the ZeRO-1 layout: flat buffer, per-rank ranges, global shapes and offsets | 5 |

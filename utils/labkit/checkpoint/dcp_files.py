@@ -6,6 +6,11 @@ writer) and their length. `file_sizes(folder)` lists the data files' sizes from 
 predicts anything: the chapter predicts the assignment from DCP's dedup rule
 (`torch/distributed/checkpoint/_dedup_save_plans.py`) and compares with what these read.
 
+`writers(folder)` goes one level finer: the writer of every saved *piece*, keyed by (key, offsets)
+(a plain tensor is one piece at offset 0; a DTensor has one per shard). `check_writers(folder,
+predicted)` is the chapter's checker: it compares a predicted writer per key (or per piece) with
+what `.metadata` says, and names every key where they differ.
+
 `quiet()` silences what DCP prints on the expected refusals of the crash trials (section 3): its
 loader logs each failed metadata read with a full traceback on the *root* logger
 (`state_dict_loader.py`: `logger = logging.getLogger()`, twice per rank per refused load), and
@@ -46,6 +51,53 @@ def key_files(folder):
         length = out.get(index.fqn, (rank, info.relative_path, 0))[2] + info.length
         out[index.fqn] = (rank, info.relative_path, length)
     return out
+
+
+def writers(folder):
+    """{(key, offsets): writer rank} for every piece DCP's `.metadata` lists, in its order. A
+    plain (replicated) tensor is one piece at offsets (0, ...); a DTensor saved as Shard(0) on P
+    ranks is P pieces; a non-tensor value (saved as pickled bytes) has offsets None."""
+    from torch.distributed.checkpoint import FileSystemReader
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise FileNotFoundError(f"{folder} has no .metadata: not a finished DCP save (dcp.save "
+                                "writes it last, on rank 0)")
+    metadata = FileSystemReader(folder).read_metadata()
+    return {(index.fqn, None if index.offset is None else tuple(index.offset)):
+            writer_rank(info.relative_path) for index, info in metadata.storage_data.items()}
+
+
+def check_writers(folder, predicted):
+    """Compare predicted writers with the ones DCP's `.metadata` names.
+
+    predicted: {key: rank} for a key saved as one piece (a plain tensor), or
+    {(key, offsets): rank} for one piece of a sharded tensor. Returns [(key, predicted rank,
+    observed rank), ...] in the order of `predicted`. Raises ValueError naming every key whose
+    writer differs and every key the save does not hold."""
+    found = writers(folder)
+    by_key = {}
+    for (fqn, offsets), rank in found.items():
+        by_key.setdefault(fqn, {})[offsets] = rank
+    rows, wrong = [], []
+    for key, rank in predicted.items():
+        if isinstance(key, tuple):
+            observed = found.get((key[0], tuple(key[1])))
+        else:
+            pieces = by_key.get(key, {})
+            if len(set(pieces.values())) > 1:
+                raise ValueError(f"key {key!r} is split over ranks {sorted(set(pieces.values()))}"
+                                 ": a sharded tensor; predict each piece as (key, offsets)")
+            observed = next(iter(pieces.values()), None)
+        if observed is None:
+            raise ValueError(f"{key!r} is not in {folder}/.metadata (saved keys: "
+                             f"{sorted(by_key)}); was it in every rank's state dict?")
+        rows.append((key, rank, observed))
+        if observed != rank:
+            wrong.append(f"{key!r}: predicted rank {rank}, written by rank {observed}")
+    if wrong:
+        raise ValueError("DCP's dedup put these keys elsewhere: " + "; ".join(wrong) + ". Check "
+                         "the walk: every item counts (replicated or not), in the order first "
+                         "met (rank 0's plan first), each with the bytes of its whole tensor")
+    return rows
 
 
 def file_sizes(folder):
