@@ -1,7 +1,8 @@
 """Chapter 0 / lab 0: labkit.basics (the chapter's prediction check, lab 0's checkers), and lab 0's
 test cells (visible and hidden lines, run outside nbgrader) failing each wrong answer in the cells
 of its task: a vague error message, a mean of per-rank means, a float32 sum, a rank that skips the
-collective, no error when nobody holds a value."""
+collective, no error when nobody holds a value. Also what chapter 0 says torch and gloo do
+(DDP under DETAIL; mismatched shapes and dtypes without teaching mode), against the installed torch."""
 import sys
 
 import cloudpickle
@@ -140,3 +141,60 @@ def test_a_rank_that_leaves_the_collective_fails_by_timeout_not_hang():
     exec("import torch, torch.distributed as dist, labkit\n" + SKIPS_WHEN_EMPTY, namespace)
     with pytest.raises((labkit.RankError, labkit.CallTimeout)):
         basics.check_global_mean(world, namespace["global_mean"], "rank 0 empty", timeout=5)
+
+
+# ---- what chapter 0 says about torch and gloo, kept true against the installed torch ---------------
+
+def _build_ddp_and_step():
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(nn.Linear(4, 2))
+    model(torch.ones(3, 4)).sum().backward()
+    return "built"
+
+
+def _debug_level():
+    import torch.distributed as dist
+    return str(dist.get_debug_level())
+
+
+@pytest.mark.timeout(180)
+def test_ddp_constructor_crashes_under_teaching_mode_as_chapter_0_says():
+    """Chapter 0, section 6, and chapter 2 (which builds DDP models on teaching=False worlds): in
+    torch 2.13, DDP's constructor kills a rank with SIGSEGV under TORCH_DISTRIBUTED_DEBUG=DETAIL.
+    If this test fails, torch has changed: update both chapters."""
+    plain = labkit.world(2, backend="gloo", teaching=False)
+    assert plain.run(_build_ddp_and_step) == ["built", "built"]
+    teaching = labkit.world(2, backend="gloo")
+    assert teaching.run(_debug_level) == ["DebugLevel.DETAIL"] * 2
+    with pytest.raises(labkit.RankDied) as died:
+        teaching.run(_build_ddp_and_step)
+    assert died.value.exitcode == -11, f"expected signal 11 (SIGSEGV), got exit code {died.value.exitcode}"
+
+
+def _all_reduce_mismatched(case):
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    if case == "shape":
+        t = torch.arange(6.0) + 100 * rank
+        t = t.reshape(2, 3) if rank == 0 else t.reshape(3, 2)
+    else:
+        t = torch.ones(6, dtype=torch.float32 if rank == 0 else torch.int32)
+    dist.all_reduce(t)
+    return t.flatten()
+
+
+@pytest.mark.timeout(120)
+def test_without_teaching_mode_a_reshape_sums_right_and_another_dtype_gives_garbage():
+    """Chapter 0, section 4, on 3 ranks (the chapter runs at WORLD_SIZE): the same count in another
+    shape sums element by element; float32 against int32 leaves the same wrong bytes on every rank."""
+    import torch
+    world = labkit.world(3, backend="gloo", teaching=False)
+    for values in world.run(_all_reduce_mismatched, "shape"):
+        assert values.tolist() == [3 * i + 300.0 for i in range(6)], values
+    garbage = world.run(_all_reduce_mismatched, "dtype")
+    assert [t.dtype for t in garbage] == [torch.float32, torch.int32, torch.int32]
+    assert all(torch.equal(t.view(torch.int32), garbage[0].view(torch.int32)) for t in garbage)
+    assert all((t != 3).all() for t in garbage), garbage

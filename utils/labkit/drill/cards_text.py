@@ -206,8 +206,9 @@ TEXTS = [
                 "moves between dumps; per-rank step times show it slow every step, and the "
                 "others' wait time grows with its lag. It arrives, late: look at its hardware "
                 "(throttling, PCIe, Xid) or its data.\n"
-                "A collective that completed is complete everywhere, so the sequence numbers "
-                "line the ranks up exactly.",
+                "The sequence numbers line the ranks up by number, not by time. They say where "
+                "each rank is, not that a collective is done everywhere: completion is per rank, "
+                "so a rank that returned from collective #k says nothing about its peers.",
          key_points=(("compare every rank's stack, taken twice", ("twice", "two dumps",
                                                                   "again", "stack")),
                      ("deadlock: different collective, never arrives", ("different collective",
