@@ -269,6 +269,57 @@ def test_stage_3_resharded_once_per_step_gathers_l_times_and_holds_zero_1_memory
         assert micro["bytes_during"] == micro["bytes_between"] == (2 * L * S + 3 * N) * b
         assert step["bytes_during"] == (L * S + 2 * L * N + N) * b, (r, step)
         assert step["bytes_between"] == (2 * L * S + N) * b, (r, step)
+    case = zero_pipeline.case(zero_stage=1, layers=L, microbatches=m, schedule=schedule_kind, hidden=H)
+    for r, stage_1 in enumerate(world.call(zero_pipeline.train_step, args=(case,), timeout=60)):
+        assert stage_1["bytes_during"] == stage_1["bytes_between"] == (2 * L * N + N + S) * b, r
+        assert step["bytes_during"] - stage_1["bytes_during"] == (L - 1) * S * b   # its own slices
+
+
+def _fsdp2_in_schedule_1f1b(steps, m, layers, hidden, pp=2):
+    """FSDP2 (kept gathered, as torchtitan with pp > 1) inside torch's Schedule1F1B, rank =
+    stage x dp + dp rank, microbatches [2, 4, H], `steps` steps."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    device_mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+    stage_index = device_mesh.get_local_rank("pp")
+    module = bench.plain_model(layers, hidden, stage_index, torch.float32)
+    for block in module:
+        fully_shard(block, mesh=device_mesh["dp"], reshard_after_forward=False)
+    fully_shard(module, mesh=device_mesh["dp"], reshard_after_forward=False)
+    stage = pipelining.PipelineStage(module, stage_index, pp, torch.device("cpu"),
+                                     group=device_mesh.get_group("pp"))
+    schedule = pipelining.Schedule1F1B(stage, m, loss_fn=lambda out, target: out.square().mean())
+    x = torch.randn(2 * m, 4, hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(steps):
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=torch.zeros_like(x))
+        for p in module.parameters():
+            p.grad = None
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_in_torchs_1f1b_issues_the_once_per_step_policys_collectives(world):
+    """Chapter 3's claim about torch 2.13's pipelining stage: an FSDP2 stage is not resharded and
+    not reduced until the last backward, so a steady step issues L all-gathers and L
+    reduce-scatters whatever m, the counts of zero_pipeline's reshard="step"."""
+    L, H = 2, 16
+    for m in (2, 4):
+        counts = {}
+        for steps in (1, 2):
+            with world.tracing() as trace:
+                world.call(_fsdp2_in_schedule_1f1b, args=(steps, m, L, H), timeout=120)
+            counts[steps] = [(zero_pipeline.count(trace, r, "all_gather_single"),
+                              zero_pipeline.count(trace, r, "reduce_scatter_single")) for r in range(4)]
+        steady = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counts[1], counts[2])]
+        assert steady == [(L, L)] * 4, (m, counts)
+        case = zero_pipeline.case(zero_stage=3, layers=L, microbatches=m, hidden=H, reshard="step")
+        with world.tracing() as trace:
+            world.call(zero_pipeline.train_step, args=(case,), timeout=60)
+        assert [(zero_pipeline.count(trace, r, "all_gather_single"),
+                 zero_pipeline.count(trace, r, "all_to_all_single")) for r in range(4)] == steady
 
 
 def test_reshard_step_is_refused_where_it_means_nothing():

@@ -333,6 +333,57 @@ def test_zero1_equals_the_whole_optimizer_and_holds_one_dp_th_of_the_state(world
             assert numel == 15 + 7 + 4 and state == per_element * math.ceil(numel / 4)
 
 
+def _layernorm_weight_gradient(dims, sequence_parallel, reduce_over_tp, torch_style=False):
+    """A LayerNorm's weight gradient for sum(y * probe) over this replica's x [4, 8, H]; with
+    sequence parallelism this tp rank normalises its 8/t tokens only."""
+    device_mesh = mesh.device_mesh(dims)
+    tp, tp_rank, H = dims[2], device_mesh.get_local_rank("tp"), 12
+    g = torch.Generator().manual_seed(7 + device_mesh.get_local_rank("dp"))
+    x, probe = (torch.randn(4, 8, H, generator=g, dtype=torch.float64) for _ in "xp")
+    norm = torch.nn.LayerNorm(H, dtype=torch.float64)
+    if sequence_parallel:
+        mine = slice(tp_rank * 8 // tp, (tp_rank + 1) * 8 // tp)
+        x, probe = x[:, mine], probe[:, mine]                            # [4, 8/t, H]
+    if torch_style:
+        from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+        parallelize_module(norm, device_mesh["tp"], SequenceParallel(use_local_output=True))
+    (norm(x) * probe).sum().backward()
+    grad = norm.weight.grad
+    if torch_style:
+        return repr(grad.placements[0]), grad.to_local().clone(), grad.full_tensor()
+    if reduce_over_tp:
+        dist.all_reduce(grad, group=device_mesh.get_group("tp"))
+    return grad
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallel_layernorm_gradients_need_the_reduction_over_tp(world4):
+    """Chapter 6, section 3: without sequence parallelism a tp rank's LayerNorm gradient is whole
+    (reducing it over tp multiplies it by t); with it, the gradient is a partial sum and only the
+    reduction over tp gives one process's. torch's SequenceParallel leaves it Partial(sum)."""
+    dims = (2, 1, 2)
+    due = []
+    for d in range(2):
+        g = torch.Generator().manual_seed(7 + d)
+        x, probe = (torch.randn(4, 8, 12, generator=g, dtype=torch.float64) for _ in "xp")
+        norm = torch.nn.LayerNorm(12, dtype=torch.float64)
+        (norm(x) * probe).sum().backward()
+        due.append(norm.weight.grad)
+    due = [due[mesh.coordinates(r, *dims)["dp"]] for r in range(4)]
+    got = {(sp, reduce): world4.run(_layernorm_weight_gradient, dims, sp, reduce)
+           for sp in (False, True) for reduce in (False, True)}
+    for r in range(4):
+        torch.testing.assert_close(got[False, False][r], due[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[False, True][r], 2 * due[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[True, True][r], due[r], rtol=1e-12, atol=1e-12)
+        assert (got[True, False][r] - due[r]).abs().max() > 0.1
+    torch_sp = world4.run(_layernorm_weight_gradient, dims, True, False, True)
+    for r, (placement, local, full) in enumerate(torch_sp):
+        assert placement == "Partial(sum)"
+        torch.testing.assert_close(local, got[True, False][r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(full, due[r], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.timeout(400)
 def test_reference_step_as_a_library(world4):
     """The lab's train_3d the way a training loop uses it: every mesh of 4 ranks, several steps,

@@ -18,8 +18,10 @@ sequences per microbatch, s tokens each, h hidden, 2-byte activations and weight
     pp         2 m x b s h 2 / tp / bw_pp   an activation forward and a gradient back per
                                        microbatch; each tp rank sends its 1/tp of it (Narayanan et
                                        al. 2021, section 4.1, "scatter/gather": the receiving
-                                       stage all-gathers it over tp); pp_scatter_gather=False
-                                       charges every tp rank the whole activation
+                                       stage all-gathers it over tp; Megatron-LM's default,
+                                       scatter_gather_tensors_in_pipeline; with sequence
+                                       parallelism Megatron-Core sends [s/t, b, h] anyway);
+                                       pp_scatter_gather=False charges every tp rank the whole
     dp         `dp_wire_bytes` of the rank's Psi' = Psi / (tp pp) parameters, / bw_dp: gradients
                in `grad_bytes` (default 4: FP32, Megatron-LM's default for BF16 training and
                FSDP2 recipes' reduce_dtype=float32), weights gathered in 2 bytes
