@@ -254,6 +254,34 @@ def test_explorer_fits_a_laptop_screen(monkeypatch):
     assert 2 * columns[0] + 12 <= 950            # two columns within a 1280 px screen's notebook
 
 
+def _fastest_t(row, node):
+    """The t of the fastest (t, p) that fits for a row of Megatron-LM's table, every t dividing the
+    heads, on nodes like `node` (ZeRO off, microbatches of one sequence, as chapter 6, section 5)."""
+    model, gpus, batch = row["model"], row["gpus"], row["batch"]
+    cluster, best = node.with_nodes(gpus // node.gpus_per_node), None
+    for t in mesh.divisors(model.heads):
+        for p in mesh.divisors(model.layers):
+            if gpus % (t * p) or batch % (gpus // (t * p)):
+                continue
+            dp = gpus // (t * p)
+            c = cost.predict(model, cluster, {"dp": dp, "tp": t, "pp": p, "zero_stage": 0,
+                                              "microbatches": batch // dp}, batch)
+            if c["fits"] and (best is None or c["step_time"] < best[1]):
+                best = (t, c["step_time"])
+    return best[0]
+
+
+def test_t_stays_inside_a_node_because_of_the_links_not_the_search():
+    """Chapter 6, section 5: searched over every t that divides the heads, the model keeps t <= 8
+    on DGX A100 nodes; with a flat network (between nodes as fast as inside) it leaves the node
+    for the largest model, so "t never beyond a node" is an outcome that could have failed."""
+    largest = figures.megatron_rows()[-1]
+    assert max(mesh.divisors(largest["model"].heads)) > 8
+    assert _fastest_t(largest, figures.DGX_A100) <= 8
+    flat = dataclasses.replace(figures.DGX_A100, inter_bw=figures.DGX_A100.intra_bw)
+    assert _fastest_t(largest, flat) > 8
+
+
 def test_reference_choice_is_the_brute_force_best_and_fits():
     rows = figures.megatron_rows()
     model, cluster = dataclasses.asdict(rows[1]["model"]), dataclasses.asdict(figures.DGX_A100.with_nodes(8))
