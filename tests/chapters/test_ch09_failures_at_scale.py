@@ -286,6 +286,78 @@ def test_work_lost_is_the_completed_steps_since_the_last_snapshot(kill_at, every
     assert lost == (kill_at - 1) - last_snapshot and 0 <= lost < every
 
 
+def test_one_kill_per_attempt_and_the_work_each_failure_cost():
+    """kill_at as a list (one step per attempt): the command carries it, a restart per kill; the
+    steps each attempt loses are those it completed after the snapshot its successor resumed
+    from (an attempt that dies at once loses none), read from the logs' events."""
+    command = elastic.command(2, "/tmp/x", 10, 4, [7, 8, 5, 6])
+    assert "--max-restarts=4" in command and command[-2] == "7,8,5,6"
+    with pytest.raises(ValueError, match="or a list of them"):
+        elastic.launch(2, steps=10, every=4, kill_at=[7, 11], folder="/tmp/never")
+    events = []
+    for attempt, (resumed, done) in enumerate([(0, range(1, 7)), (4, range(5, 8)), (4, ()),
+                                               (4, [5]), (4, range(5, 11))]):
+        events.append({"event": "start", "rank": 0, "attempt": attempt, "resumed_from": resumed})
+        events += [{"event": "step", "rank": 0, "attempt": attempt, "step": s, "loss": 1.0}
+                   for s in done]
+    lost = elastic.redone_per_attempt(events)
+    assert lost == {0: [5, 6], 1: [5, 6, 7], 2: [], 3: [5]}
+    assert [len(lost[a]) for a in range(4)] == [elastic.lost_steps(k, 4) for k in (7, 8, 5, 6)]
+    assert sum(map(len, lost.values())) / len(lost) == (4 - 1) / 2          # not tau / 2
+
+
+# ---- what labkit and the chapter say about torch: read from the installed torch ---------------
+
+def _torch_file(*parts) -> str:
+    return Path(torch.__file__).parent.joinpath(*parts).read_text(encoding="utf-8")
+
+
+def test_async_error_handling_levels_are_what_the_installed_torch_defines():
+    """labkit.faults.gpu's table and chapter 9's text against ProcessGroupNCCL.hpp: the enum's
+    names and numbers, what SHOULD_CLEAN_UP / SHOULD_TEAR_DOWN make of each, the default, and
+    torchrun's value. Fails when torch redefines a level, whichever way round."""
+    import json
+    import re
+    from labkit.faults import gpu
+    header = _torch_file("include", "torch", "csrc", "distributed", "c10d", "ProcessGroupNCCL.hpp")
+    enum = re.search(r"enum ErrorHandlingMode \{(.*?)\};", header, re.S)
+    assert enum, "ProcessGroupNCCL.hpp has no enum ErrorHandlingMode: torch changed it"
+    levels = {int(v): name for name, v in re.findall(r"(\w+)\s*=\s*(\d+)", enum.group(1))}
+    assert {lvl: row[0] for lvl, row in gpu.ASYNC_ERROR_HANDLING.items()} == levels
+
+    def macro(name):          # "#define NAME(a) (a != X && a != Y)": true unless a is X or Y
+        body = re.search(rf"#define {name}\(a\) \((.*?)\)\n", header).group(1)
+        terms = body.split(" && ")
+        excluded = [re.fullmatch(r"a != (\w+)", t).group(1) for t in terms]
+        return {lvl: levels[lvl] not in excluded for lvl in levels}
+
+    clean_up, tear_down = macro("SHOULD_CLEAN_UP"), macro("SHOULD_TEAR_DOWN")
+    for level, (name, aborts, ends, words) in gpu.ASYNC_ERROR_HANDLING.items():
+        assert (aborts, ends) == (clean_up[level], tear_down[level]), \
+            f"level {level} ({name}): torch says abort={clean_up[level]}, tear down=" \
+            f"{tear_down[level]}; labkit says {aborts}, {ends}"
+        assert ("aborts the communicators" in words) == aborts and \
+            ("without aborting" in words or "does nothing" in words) == (not aborts)
+        assert ("tears the process down" in words) == ends and \
+            ("keeps the process" in words or "does nothing" in words) == (not ends)
+    default = re.search(r"default value \((\d) - (\w+)\)", header)
+    assert default and (int(default.group(1)), default.group(2)) == (
+        gpu.ASYNC_ERROR_HANDLING_DEFAULT, levels[gpu.ASYNC_ERROR_HANDLING_DEFAULT])
+    agent = _torch_file("distributed", "elastic", "agent", "server", "local_elastic_agent.py")
+    assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING", str\((\d)\)', agent).group(1) == \
+        str(gpu.TORCHRUN_ASYNC_ERROR_HANDLING)
+    # the chapter's prose says the same, level by level
+    notebook = json.loads((ROOT / "course" / "09_failures_at_scale.ipynb").read_text())
+    prose = " ".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    prose = re.sub(r"\s+", " ", prose.replace("*", ""))
+    for level, (name, _, _, words) in gpu.ASYNC_ERROR_HANDLING.items():
+        assert re.search(rf"{level} \(`{name}`[^)]*\) {re.escape(words)}", prose), \
+            f"chapter 9 does not say '{level} (`{name}`) {words}'"
+        assert gpu.error_handling(level).startswith(f"{level} ({name})")
+    with pytest.raises(ValueError, match="one of"):
+        gpu.error_handling(4)
+
+
 def test_the_torchrun_command_restarts_and_isolates_the_store():
     command = elastic.command(2, "/tmp/x", 10, 4, 7)
     assert "--max-restarts=1" in command and "labkit.faults.elastic:train" in command

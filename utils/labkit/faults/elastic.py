@@ -12,7 +12,8 @@ group from torchrun's environment):
    (`labkit.checkpoint.store.load_latest`), restore it strictly (`resume.restore`);
 2. train until `steps`, logging every step's loss to its own JSON-lines file, and every `every`
    steps publish a snapshot (every rank writes its shard, rank 0 commits the manifest);
-3. on the first attempt only, rank `kill_rank` sends itself SIGKILL as step `kill_at` begins.
+3. on the first attempt only, rank `kill_rank` sends itself SIGKILL as step `kill_at` begins
+   (`kill_at` a list: on attempt a, as step kill_at[a] begins, one kill per attempt).
 
 torchrun's agent sees a worker die, stops the others, and (with `--max-restarts 1`) starts all of
 them again with TORCHELASTIC_RESTART_COUNT=1; they rendezvous again and resume. The command:
@@ -44,9 +45,19 @@ def _log(stream, **event):
     stream.flush()
 
 
-def train(folder: str, steps: int, every: int, kill_at: int, kill_rank: int = 1):
+def _kills(kill_at) -> list[int]:
+    """kill_at as a list, one step per attempt: 7, "5,6,7" or [5, 6, 7]."""
+    if isinstance(kill_at, str):
+        return [int(k) for k in kill_at.split(",") if k.strip()]
+    if isinstance(kill_at, int):
+        return [kill_at]
+    return [int(k) for k in kill_at]
+
+
+def train(folder: str, steps: int, every: int, kill_at, kill_rank: int = 1):
     """The rank program (see the module docstring); returns the steps done."""
     import torch.distributed as dist
+    kills = _kills(kill_at)
     from labkit.checkpoint import bench, resume, snapshot_id, store
     rank, size = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -60,8 +71,8 @@ def train(folder: str, steps: int, every: int, kill_at: int, kill_rank: int = 1)
         _log(log, event="start", rank=rank, attempt=attempt, world_size=size,
              resumed_from=trainer.steps, snapshot=found and found["snapshot_id"])
         while trainer.steps < steps:
-            if attempt == 0 and rank == kill_rank and trainer.steps + 1 == kill_at:
-                _log(log, event="kill", rank=rank, attempt=attempt, step=kill_at)
+            if attempt < len(kills) and rank == kill_rank and trainer.steps + 1 == kills[attempt]:
+                _log(log, event="kill", rank=rank, attempt=attempt, step=kills[attempt])
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = trainer.step()
             _log(log, event="step", rank=rank, attempt=attempt, step=trainer.steps, loss=loss)
@@ -78,22 +89,29 @@ def train(folder: str, steps: int, every: int, kill_at: int, kill_rank: int = 1)
     return trainer.steps
 
 
-def command(nproc: int, folder: str, steps: int, every: int, kill_at: int, kill_rank: int = 1,
-            max_restarts: int = 1) -> list[str]:
-    """The torchrun command line that `launch` runs."""
+def command(nproc: int, folder: str, steps: int, every: int, kill_at, kill_rank: int = 1,
+            max_restarts: int | None = None) -> list[str]:
+    """The torchrun command line that `launch` runs (one restart per kill unless told)."""
+    if max_restarts is None:
+        max_restarts = len(_kills(kill_at))
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.1", "-m", "labkit.runtime.torchrun",
             "--entry", "labkit.faults.elastic:train", "--backend", "gloo",
-            folder, str(steps), str(every), str(kill_at), str(kill_rank)]
+            folder, str(steps), str(every), ",".join(map(str, _kills(kill_at))), str(kill_rank)]
 
 
-def launch(nproc: int, steps: int, every: int, kill_at: int, folder: str, kill_rank: int = 1,
-           max_restarts: int = 1, timeout: float = 300.0) -> dict:
+def launch(nproc: int, steps: int, every: int, kill_at, folder: str, kill_rank: int = 1,
+           max_restarts: int | None = None, timeout: float = 300.0) -> dict:
     """Run the job under torchrun; return {"returncode", "seconds", "output" (its last 4000
-    characters), "events" (every rank's log, sorted by time)}."""
-    if not 1 <= kill_at <= steps:
-        raise ValueError(f"kill_at must be a step of the run (1..{steps}), got {kill_at}")
+    characters), "events" (every rank's log, sorted by time)}. `kill_at`: a step, or one step
+    per attempt (a list); `max_restarts` defaults to one restart per kill."""
+    kills = _kills(kill_at)
+    if not kills or not all(1 <= k <= steps for k in kills):
+        raise ValueError(f"kill_at must be a step of the run (1..{steps}), or a list of them, "
+                         f"got {kill_at}")
+    if max_restarts is None:
+        max_restarts = len(kills)
     if not 0 <= kill_rank < nproc:
         raise ValueError(f"kill_rank must be a rank (0..{nproc - 1}), got {kill_rank}")
     os.makedirs(folder, exist_ok=True)
@@ -141,6 +159,22 @@ def summary(events: list[dict], rank: int = 0) -> dict:
             "attempts": sorted(starts), "kill_step": kill and kill["step"],
             "restart_seconds": None if kill is None or first_after is None
             else first_after - kill["t"]}
+
+
+def redone_per_attempt(events: list[dict], rank: int = 0) -> dict:
+    """{attempt a: the steps attempt a completed after the snapshot that attempt a + 1 resumed
+    from}, for every attempt that has a successor: the work each failure cost, read from one
+    rank's log (what a later attempt must do again). Read the killed rank's: it logs every
+    attempt's start before it kills itself, while the agent may stop another rank of an attempt
+    that dies at once before that rank has logged anything."""
+    mine = [e for e in events if e.get("rank") == rank]
+    starts = {e["attempt"]: e["resumed_from"] for e in mine if e["event"] == "start"}
+    done = {}
+    for e in mine:
+        if e["event"] == "step":
+            done.setdefault(e["attempt"], set()).add(e["step"])
+    return {a: sorted(s for s in done.get(a, ()) if s > starts[a + 1])
+            for a in sorted(starts) if a + 1 in starts}
 
 
 def lost_steps(kill_at: int, every: int) -> int:

@@ -17,7 +17,7 @@ and NCCL's "Environment Variables" page):
 | variable | what it does |
 |---|---|
 | NCCL_DEBUG=INFO (WARN, TRACE), NCCL_DEBUG_SUBSYS=INIT,NET,COLL | NCCL prints its version, the transports it picked per peer (NVLink/P2P, SHM, IB, Socket), rings and trees; WARN shows errors only |
-| TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (2, 3) | what the watchdog does when a collective times out or fails, instead of leaving the job hung (ProcessGroupNCCL.hpp, `ErrorHandlingMode`): 1 aborts the communicators and tears the process down; 2 aborts the communicators and keeps the process (it can rebuild its groups); 3, torch's default when unset, tears the process down without aborting them (for when the abort itself hangs); torchrun sets 1 for its workers unless it is set |
+| TORCH_NCCL_ASYNC_ERROR_HANDLING=0 .. 3 | what the watchdog does when a collective times out or fails (`ASYNC_ERROR_HANDLING` below, from torch 2.13's ProcessGroupNCCL.hpp, `ErrorHandlingMode`): 0 does nothing; 1 aborts the communicators and tears the process down; 2 aborts the communicators and keeps the process; 3 tears the process down without aborting the communicators; 3 is torch's default when the variable is unset, and torchrun sets 1 for its workers unless it is set (local_elastic_agent.py) |
 | TORCH_NCCL_BLOCKING_WAIT=1 | `work.wait()` blocks the caller until done or timed out and raises there (the timeout is the process group's `timeout=`) |
 | TORCH_FR_BUFFER_SIZE=N (or TORCH_NCCL_TRACE_BUFFER_SIZE), TORCH_NCCL_DUMP_ON_TIMEOUT=1 | the flight recorder: the last N collectives per rank, dumped to TORCH_FR_DUMP_TEMP_FILE<rank> (or TORCH_NCCL_DEBUG_INFO_TEMP_FILE) when the watchdog fires; torch 2.13 recognises both spellings |
 | TORCH_NCCL_DESYNC_DEBUG=1 | on a timeout, report which rank is behind (which never issued the collective) |
@@ -29,6 +29,38 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, as torch 2.13 defines it in
+# torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp: the enum `ErrorHandlingMode`
+# names the levels, the macros SHOULD_CLEAN_UP(a) (abort the communicators) and SHOULD_TEAR_DOWN(a)
+# (end the process) say what each does, and the comment above the variable names the default
+# ("the default value (3 - SkipCleanUp)"). tests/chapters/test_ch09_failures_at_scale.py reads the
+# installed header and fails when torch's definition and this table part.
+# level: (torch's name, aborts the communicators, tears the process down, in the course's words)
+ASYNC_ERROR_HANDLING = {
+    0: ("NoHandling", False, False, "does nothing"),
+    1: ("TearDown", True, True, "aborts the communicators and tears the process down"),
+    2: ("CleanUpOnly", True, False, "aborts the communicators and keeps the process"),
+    3: ("SkipCleanUp", False, True, "tears the process down without aborting the communicators"),
+}
+ASYNC_ERROR_HANDLING_DEFAULT = 3        # when the variable is unset (torch 2.13)
+TORCHRUN_ASYNC_ERROR_HANDLING = 1       # what torchrun's agent sets unless it is set
+ASYNC_ERROR_HANDLING_SOURCE = ("torch 2.13, torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp "
+                               "(ErrorHandlingMode, SHOULD_CLEAN_UP, SHOULD_TEAR_DOWN); "
+                               "torch/distributed/elastic/agent/server/local_elastic_agent.py")
+
+
+def error_handling(level: int) -> str:
+    """One line: what TORCH_NCCL_ASYNC_ERROR_HANDLING=`level` does, in torch's name and ours."""
+    if level not in ASYNC_ERROR_HANDLING:
+        raise ValueError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING is one of "
+                         f"{sorted(ASYNC_ERROR_HANDLING)}, got {level!r}")
+    name, _, _, words = ASYNC_ERROR_HANDLING[level]
+    default = " (torch's default when unset)" if level == ASYNC_ERROR_HANDLING_DEFAULT else ""
+    torchrun = " (what torchrun sets for its workers)" \
+        if level == TORCHRUN_ASYNC_ERROR_HANDLING else ""
+    return f"{level} ({name}){default}{torchrun}: {words}"
+
 
 # NVIDIA, "Xid Errors" (docs.nvidia.com/deploy/xid-errors/), its catalog of Xid events: the
 # driver's own description of the codes a training cluster meets most. The kernel log shows them
