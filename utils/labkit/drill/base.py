@@ -171,6 +171,7 @@ class Problem:
     rel_tol: float = 0.02         # answers worked out by hand are rounded
     abs_tol: float = 0.0
     source: str = ""
+    slips: tuple = ()             # ((ratio to the answer, what that slip is), ...): this drill's own
 
     def expected(self) -> str:
         if self.kind != "number":
@@ -229,12 +230,17 @@ def check(problem: Problem, text) -> Verdict:
 def recognise_slip(value: float, problem: Problem) -> str | None:
     """A wrong number whose ratio to the answer is a known slip gets a line naming it: a factor of
     2 (forward only, one direction), (P-1)/P (the bus factor of a ring), P (per rank against the
-    whole group), 1000 or 1024 (units). None when the ratio says nothing."""
+    whole group), 1000 or 1024 (units), after the drill's own `slips` (a checkpoint counted
+    with its gradients, a per-GPU rate not divided by the GPUs). None when the ratio says
+    nothing."""
     answer = float(problem.answer)
     if not answer or not value or not math.isfinite(value):
         return None
     ratio = value / answer
     near = lambda target, tol=0.01: abs(ratio / target - 1) <= tol
+    for target, slip in problem.slips:  # the drill's own slips first: they know its factors
+        if near(target):
+            return slip
     ranks = [int(problem.params[k]) for k in ("P", "dp", "tp", "pp")
              if isinstance(problem.params.get(k), int) and problem.params[k] >= 3]
     for P in ranks:                     # P >= 3: at P = 2, (P-1)/P = 1/2 reads as a factor 2

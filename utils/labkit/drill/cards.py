@@ -7,8 +7,9 @@ questions, each with a model answer in the course's own words and the chapter th
 
 A card is answered first (a few lines, typed), then its model answer and key points are shown and
 the reader says whether they had it: that decides its Leitner box. The key points a typed answer
-mentions are counted by keyword, as a hint only. Figures in a model answer are computed from the
-chapters' functions when the card is shown (`figures`), so cards and chapters cannot disagree;
+mentions are counted by their terms (`mentions`: one distinct term, or two plain words), as a hint
+only. Figures in a model answer are computed from the chapters' functions when the card is shown
+(`figures`), so cards and chapters cannot disagree;
 figures the CPU course cannot measure (GPU, network, vendor) are marked as external with their
 source.
 """
@@ -58,17 +59,79 @@ class Card:
                 f"\n([?]: waits for {exc.name})"
 
     def points_mentioned(self, text: str) -> list:
-        """[(point, mentioned?)]: a point counts as mentioned when one of its keywords appears as
-        a word (or a phrase) of its own, with an ordinary ending ("norms", "clipping"): "data"
-        inside "metadata" or "norm" inside "normal" ticks nothing."""
-        low = (text or "").lower()
-        return [(point, any(_said(k, low) for k in keywords)) for point, keywords in self.key_points]
+        """[(point, mentioned?)]: see `mentions`."""
+        return [(point, mentions(point, keywords, text)) for point, keywords in self.key_points]
+
+
+# ---- ticking a key point -------------------------------------------------------------------------
+# A single everyday word ("data", "gather", "memory") says little about an answer, so it never
+# ticks a point alone. A point's terms are its keywords and the words of the point itself; the
+# distinct ones (a phrase, or a term with a digit or a symbol: "once per step", "bf16",
+# "(p - 1)/p") tick it alone; plain words tick it two at a time, one of them a keyword.
+
+_STOP = set("the a an and or of to on in at for by with its it is are be per every each one two "
+            "from as into than then not no all before after what which this that them they "
+            "their only any how when where so but".split())
+
+
+def _stem(word: str) -> str:
+    """A word without its ordinary ending: norms, normed -> norm; clipping -> clip; passes ->
+    pass; (normal stays normal)."""
+    w = word.lower().removesuffix("'s").strip("'")
+    if not w.endswith("ss"):
+        for suffix in ("ing", "ed", "es", "s"):
+            stem = w[:-len(suffix)]
+            if w.endswith(suffix) and len(stem) >= 3 and (
+                    suffix != "es" or stem.endswith(("s", "x", "z", "ch", "sh"))):
+                w = stem
+                break
+    if len(w) >= 4 and w[-1] == w[-2] and w[-1] not in "aeioulsz":
+        w = w[:-1]                                        # clipp -> clip, runn -> run
+    return w
+
+
+def _words(text: str) -> list:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def point_terms(point: str, keywords) -> tuple:
+    """(distinct terms, each enough alone; stems of the plain words, two of which are needed)."""
+    distinct = [k for k in keywords if not re.fullmatch(r"[a-z]+", k)]
+    plain = {_stem(k) for k in keywords if re.fullmatch(r"[a-z]+", k)}
+    for word in (w.strip("'") for w in _words(point)):
+        if len(word) < 3 or word in _STOP or word.isdigit():
+            continue
+        if re.search(r"\d", word):
+            distinct.append(word)
+        else:
+            plain.add(_stem(word))
+    return distinct, plain
 
 
 def _said(keyword: str, text: str) -> bool:
+    """`keyword` in `text` as a word or phrase of its own, with an ordinary ending."""
     pattern = (r"(?<![a-z0-9])" + re.escape(keyword.lower())
                + r"(?:s|es|ed|d|ing|ping|ped|ting|ted|ning|ned)?(?![a-z0-9])")
     return re.search(pattern, text) is not None
+
+
+def mentions(point: str, keywords, text: str) -> bool:
+    """Whether `text` mentions the key point: one of its distinct terms as a word or phrase of its
+    own ("data" inside "metadata" is not "data"), or two of its plain words, one of them a
+    keyword where the point has plain keywords ("rolling" and "batch" do not make "roll back to a
+    checkpoint and quarantine the batch") unless the text has all of the point's own words; a
+    point with a single plain word: that word."""
+    low = (text or "").lower()
+    distinct, plain = point_terms(point, keywords)
+    if any(_said(k, low) for k in distinct):
+        return True
+    seen = {_stem(w) for w in _words(low)}
+    chosen = {_stem(k) for k in keywords if re.fullmatch(r"[a-z]+", k)}
+    own = point_terms(point, ())[1]                       # the point's own words
+    found = plain & seen
+    need = min(2, len(plain))
+    return need > 0 and len(found) >= need and (
+        not chosen or bool(found & chosen) or own <= seen)
 
 
 # ---- figures computed from the chapters --------------------------------------------------------

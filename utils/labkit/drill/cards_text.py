@@ -18,14 +18,19 @@ TEXTS = [
                 "Forward: 2 x (P - 1)/P x K N H x 2 bytes = 4 (P - 1)/P K N H.\n"
                 "Backward: the gradient of an all-to-all is the same all-to-all with send and "
                 "receive swapped, so both crossings happen again: 8 (P - 1)/P K N H per step.\n"
-                "DeepSeek-V3-like (H = {H}, K = {K}, N = 4096, P = 64): {fwd} forward, {both} "
-                "per step, about {per_token} per token. (The source's 917.5 KB multiplies by "
-                "BF16's 2 bytes twice.)",
+                "With DeepSeek-V3's sizes sent flat (H = {H}, K = {K}, N = 4096, P = 64): {fwd} "
+                "forward, {both} per step, about {per_token} per token. (The source's 917.5 KB "
+                "multiplies by BF16's 2 bytes twice.)\n"
+                "DeepSeek-V3 itself does not send flat: its routing limits a token to 4 nodes, "
+                "and DeepEP sends the token over InfiniBand once per target node, then forwards "
+                "it over NVLink to that node's experts: at most 4 rows per token on InfiniBand "
+                "instead of K = 8 (the drill moe-node-limited).",
          key_points=(("N K assignments, (P - 1)/P of them remote", ("(p - 1)/p", "p-1", "remote")),
                      ("dispatch sends the rows to the experts", ("dispatch",)),
                      ("combine brings the outputs back to the token's rank", ("combine", "back")),
                      ("4 K N H bytes forward in BF16", ("4knh", "4 k n h", "4 x k", "4k")),
-                     ("backward doubles it: 8 K N H", ("backward", "8knh", "8 k n h")))),
+                     ("backward doubles it: 8 K N H", ("backward", "again", "8knh", "8 k n h",
+                                                       "8 (p - 1)/p")))),
     dict(id="whiteboard-2", kind="whiteboard", number=2, topic="faults",
          links=((0, "section 4"), (9, "section 2")),
          prompt="A training job on a thousand GPUs has stopped making progress inside a "
@@ -362,6 +367,7 @@ TEXTS = [
          key_points=(("BF16 spacing near 1 is 2^-7", ("2^-7", "0.0078", "8 bits",
                                                       "8 significant")),
                      ("the small term is rounded away", ("round", "absorb", "lost", "swamp")),
-                     ("not underflow", ("not underflow", "underflow")),
+                     ("rounding, not underflow", ("not underflow", "not an underflow",
+                                                  "no underflow", "rather than underflow")),
                      ("accumulate in FP32", ("fp32",)))),
 ]

@@ -9,7 +9,8 @@ function the chapter teaches and checks against measurements (never a copy of it
 A drill names the functions it uses by their dotted names (`labkit.collectives.ring_bytes_sent`);
 they are imported when a problem is posed, so a drill whose module or function is absent (an
 older copy of labkit) is skipped with the name of what it waits for. The drills of one topic live in one module: `numeric_comm.py`
-(chapters 1, 3, 4, 5) and `numeric_scale.py` (chapters 6-9).
+(chapters 1, 3, 4, 5), `numeric_scale.py` (chapters 6-9) and `numeric_recovery.py` (the
+decisions of chapters 8 and 9: snapshot size, a job's MTBF, steps lost).
 """
 from __future__ import annotations
 
@@ -88,4 +89,4 @@ def draws(draw):
     return attach
 
 
-from labkit.drill import numeric_comm, numeric_scale  # noqa: E402,F401  (they register)
+from labkit.drill import numeric_comm, numeric_recovery, numeric_scale  # noqa: E402,F401  (they register)

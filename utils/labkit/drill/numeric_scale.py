@@ -74,12 +74,17 @@ def _mesh_groups(p, formula):
 
 # ---- chapter 7: mixture of experts -------------------------------------------------------------
 
+_NOT_FLAT = ("DeepSeek-V3 itself does not send flat: its routing limits each token to 4 nodes, "
+             "and DeepEP sends the token over InfiniBand once per target node, then forwards it "
+             "over NVLink to that node's experts (the drill moe-node-limited).")
+
+
 def _draw_moe(rng):
     return {"N": rng.choice([1024, 2048, 4096, 8192]), "P": rng.choice([8, 16, 32, 64]),
             "scope": rng.choice(["forward", "forward and backward", "per token"])}
 
 
-@register("moe-bytes", "moe", "All-to-all bytes of a DeepSeek-V3-like MoE layer", 7, "section 5",
+@register("moe-bytes", "moe", "All-to-all bytes of a flat expert-parallel layer", 7, "section 5",
           ["labkit.moe.ep_bytes_per_rank", "labkit.moe.DEEPSEEK_V3"],
           source="seed 004, whiteboard question 1")
 @draws(_draw_moe)
@@ -96,27 +101,30 @@ def _moe_bytes(p, formula):
               "back to the token's rank: every routed token crosses the network twice.",
               f"forward = 2 x (P - 1)/P x K N H x 2 bytes = {bytes_text(forward)}."]
     if scope == "forward":
-        return {"question": f"A DeepSeek-V3-like MoE layer: H = {H}, top-{K} routing, experts "
-                            f"spread evenly over P = {P} ranks, N = {N} tokens per rank, BF16 on "
+        return {"question": f"An MoE layer with DeepSeek-V3's sizes (H = {H}, top-{K}), sent "
+                            f"flat: experts spread evenly over P = {P} ranks, every assignment "
+                            f"to another rank its own row, N = {N} tokens per rank, BF16 on "
                             "the wire, even routing. How many bytes does one rank send for this "
                             "layer in forward?",
-                **_in_bytes(forward), "solution": common}
+                **_in_bytes(forward), "solution": common + [_NOT_FLAT]}
     backward = ["Backward runs both all-to-alls in reverse with the gradients: the same bytes "
                 f"again, 8 (P - 1)/P K N H = {bytes_text(both)}."]
     if scope == "forward and backward":
-        return {"question": f"A DeepSeek-V3-like MoE layer: H = {H}, top-{K} routing, P = {P} "
-                            f"expert-parallel ranks, N = {N} tokens per rank, BF16, even routing. "
+        return {"question": f"An MoE layer with DeepSeek-V3's sizes (H = {H}, top-{K}), sent "
+                            f"flat over P = {P} expert-parallel ranks (every remote assignment "
+                            f"its own row), N = {N} tokens per rank, BF16, even routing. "
                             "How many bytes does one rank send for this layer in one training "
                             "step (forward and backward)?",
-                **_in_bytes(both), "solution": common + backward}
-    return {"question": f"A DeepSeek-V3-like MoE layer: H = {H}, top-{K} routing over P = {P} "
-                        "expert-parallel ranks, BF16, even routing. How many bytes does one token "
+                **_in_bytes(both), "solution": common + backward + [_NOT_FLAT]}
+    return {"question": f"An MoE layer with DeepSeek-V3's sizes (H = {H}, top-{K}), sent flat "
+                        f"over P = {P} expert-parallel ranks (every remote assignment its own "
+                        "row), BF16, even routing. How many bytes does one token "
                         "cost on the wire per MoE layer, forward and backward?",
             "answer": both / N / 1e3, "unit": "KB",
             "solution": common + backward + [
                 f"Per token: {bytes_text(both)} / {N} = {bytes_text(both / N)} "
                 "(8 K H (P - 1)/P bytes; 8 K H with (P - 1)/P rounded to 1).",
-                "The source material's 917.5 KB counts BF16's 2 bytes twice."]}
+                "The source material's 917.5 KB counts BF16's 2 bytes twice.", _NOT_FLAT]}
 
 
 @register("moe-fp8", "moe", "FP8 dispatch, BF16 combine: bytes on the wire", 7, "section 7",
@@ -128,7 +136,8 @@ def _moe_fp8(p, formula):
     H, K = v3["hidden"], v3["top_k"]
     row = formula("labkit.moe.fp8.row_bytes")(H)
     forward = formula("labkit.moe.ep_bytes_per_rank")(N, K, H, P, dispatch_bytes=row / H)
-    return {"question": f"The DeepSeek-V3-like layer (H = {H}, top-{K}, P = {P} ranks, N = {N} "
+    return {"question": f"A flat expert-parallel layer with DeepSeek-V3's sizes (H = {H}, "
+                        f"top-{K}, P = {P} ranks, every remote assignment its own row, N = {N} "
                         "tokens per rank, even routing) dispatches in FP8 e4m3 with one float32 "
                         "scale per 128 values and combines in BF16. Bytes one rank sends in "
                         "forward?",
@@ -137,7 +146,51 @@ def _moe_fp8(p, formula):
                          "Remote assignments: (P - 1)/P x K N.",
                          f"(P - 1)/P x K N x ({row:,} + {2 * H:,}) bytes = {bytes_text(forward)}.",
                          "Only dispatch shrinks: combine's outputs go straight into the residual "
-                         "stream, so they stay BF16."]}
+                         "stream, so they stay BF16.", _NOT_FLAT]}
+
+
+@register("moe-node-limited", "moe", "DeepSeek-V3's node-limited dispatch over InfiniBand", 7,
+          "section 5", ["labkit.moe.DEEPSEEK_V3", "labkit.moe.fp8.row_bytes"],
+          source="DeepSeek-V3 Technical Report, sections 2.1.2 and 3.2.2; DeepEP's normal kernels")
+@draws(lambda rng: {"N": rng.choice([1024, 2048, 4096, 8192]), "nodes": rng.choice([8, 16, 32, 64]),
+                    "ask": rng.choice(["dispatch", "forward"])})
+def _moe_node_limited(p, formula):
+    N, nodes, ask = p["N"], p["nodes"], p["ask"]
+    v3 = formula("labkit.moe.DEEPSEEK_V3")
+    H, K, M = v3["hidden"], v3["top_k"], v3["max_nodes_per_token"]
+    row = formula("labkit.moe.fp8.row_bytes")(H)                 # FP8 values + float32 scales
+    remote_nodes = M * (nodes - 1) / nodes                       # per token, on average
+    dispatch = N * remote_nodes * row
+    combine = N * remote_nodes * 2 * H                           # BF16, summed per node first
+    answer = dispatch if ask == "dispatch" else dispatch + combine
+    what = ("in the dispatch (FP8 rows of H + 4 H/128 bytes)" if ask == "dispatch" else
+            "in forward: the FP8 dispatch and the BF16 combine, which sums the outputs of a "
+            "node's experts over NVLink and sends one row back per node")
+    solution = [f"Node-limited routing: a token's K = {K} experts lie on at most M = {M} nodes; "
+                "take exactly M, chosen evenly among the nodes.",
+                f"The token's own node is one of them with probability M/n = {M}/{nodes}: on "
+                f"average M (n - 1)/n = {sig(remote_nodes)} target nodes are remote.",
+                "One send per remote target node crosses InfiniBand; the copies for that node's "
+                "other experts travel on NVLink from the GPU that received it.",
+                f"dispatch = N x M (n - 1)/n x {row:,} B = {bytes_text(dispatch)}."]
+    if ask == "forward":
+        solution.append(f"combine = N x M (n - 1)/n x 2H = {bytes_text(combine)}; forward = "
+                        f"{bytes_text(answer)}.")
+    solution.append(f"Sent flat, each of the K copies would cross on its own: K/M = {K // M} "
+                    "times more on InfiniBand.")
+    return {"question": f"DeepSeek-V3 (H = {H}, top-{K}, experts on n = {nodes} nodes of 8 GPUs, "
+                        f"at most M = {M} nodes per token) on one GPU with N = {N} tokens, even "
+                        f"routing. How many bytes does it send over InfiniBand for one MoE layer "
+                        f"{what}?",
+            **_in_bytes(answer), "solution": solution,
+            "slips": ((K / M, f"That is K/M = {K // M} times the answer: one copy per expert; "
+                              "DeepSeek-V3 sends a token once per target node over InfiniBand "
+                              "and forwards it on NVLink inside the node."),
+                      (nodes / (nodes - 1), "That is n/(n-1) times the answer: a token's own "
+                                            "node, when it is one of the M, is reached on "
+                                            "NVLink, not InfiniBand."),
+                      (2 * H / row, "That is the answer with BF16 dispatch rows: DeepSeek-V3 "
+                                    "dispatches in FP8 (H + 4 H/128 bytes a row)."))}
 
 
 @register("capacity", "moe", "An expert's capacity", 7, "section 2", ["labkit.moe.capacity"])

@@ -209,7 +209,7 @@ class Session:
         marks = card.points_mentioned(text)
         found = sum(1 for _, seen in marks if seen)
         lines = card.answer_text().splitlines() + [
-            f"Key points (your answer mentions {found} of {len(marks)}, by keyword only: "
+            f"Key points (your answer mentions {found} of {len(marks)}, counted by their terms: "
             "you judge):"] + [f"  [{'x' if seen else ' '}] {point}" for point, seen in marks]
         return Feedback("revealed", "Model answer:", lines, links=question.links)
 
