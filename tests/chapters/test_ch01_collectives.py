@@ -142,34 +142,7 @@ def _close_worlds():
     labkit.shutdown_all()
 
 
-DIRECT_EXCHANGE = '''
-def ring_all_reduce(tensor, op="sum"):
-    """Each rank sends chunk j straight to rank j, reduces its own chunk, sends it to everyone:
-    the ring's byte total at P = 3, but not a ring."""
-    if op not in ("sum", "max"):
-        raise ValueError(op)
-    P, rank = dist.get_world_size(), dist.get_rank()
-    flat = tensor.view(-1)
-    base, extra = divmod(flat.numel(), P)
-    starts = [i * base + min(i, extra) for i in range(P + 1)]
-    chunk = lambda i: flat[starts[i]:starts[i + 1]]
-    mine = chunk(rank)
-    sends = [dist.isend(chunk(q).clone(), q) for q in range(P) if q != rank and chunk(q).numel()]
-    for q in range(P):
-        if q != rank and mine.numel():
-            other = torch.empty_like(mine)
-            dist.recv(other, q)
-            mine.add_(other) if op == "sum" else torch.maximum(mine, other, out=mine)
-    for s in sends:
-        s.wait()
-    sends = [dist.isend(mine, q) for q in range(P) if q != rank and mine.numel()]
-    for q in range(P):
-        if q != rank and chunk(q).numel():
-            dist.recv(chunk(q), q)
-    for s in sends:
-        s.wait()
-    return tensor
-'''
+DIRECT_EXCHANGE = lab_notebooks.wrong_answers(LAB).DIRECT_EXCHANGE
 
 CALLS_ALL_REDUCE = '''
 def ring_all_reduce(tensor, op="sum"):

@@ -283,6 +283,8 @@ def _failed(outcome):
     return {test for test, error in outcome.items() if error is not None}
 
 
+WRONG = lab_notebooks.wrong_answers(LAB)     # also graded by labkit grade (test_labs)
+
 TASK1 = ["test_task1_gradients", "test_task1_one_synchronisation", "test_task1_logged_loss",
          "test_task1_empty_batch"]
 TASK2 = ["test_task2_norm", "test_task2_norm_dtype", "test_task2_clipped_step",
@@ -297,26 +299,7 @@ def _edit(grade_id, old, new):
     return source.replace(old, new)
 
 
-TASK1_WRONG = {   # name: (edit of the solution, the cells that must fail)
-    "the mean of microbatch means (the habit from one GPU)": (
-        ("            (total * (R / tokens)).backward()          # DDP divides the summed gradients by R\n",
-         "            n = dp.count_tokens(microbatch)\n"
-         "            (total / max(n, 1) / len(microbatches)).backward()\n"),
-        {"test_task1_gradients"}),
-    "every microbatch synchronised (no no_sync)": (
-        ("        with contextlib.nullcontext() if last else ddp_model.no_sync():   # one sync, at the end\n",
-         "        with contextlib.nullcontext():\n"),
-        {"test_task1_one_synchronisation"}),
-    "this rank's own loss logged": (
-        ("    dist.all_reduce(logged)                            # sum of all token losses, for the log\n"
-         "    return (logged / tokens).item()\n",
-         "    mine = sum(dp.count_tokens(mb) for mb in microbatches)\n"
-         "    return (logged / max(mine, 1)).item()\n"),
-        {"test_task1_logged_loss"}),
-    "no error for an empty global batch": (
-        ("    if tokens == 0:\n", "    if tokens < 0:\n"),
-        {"test_task1_empty_batch"}),
-}
+TASK1_WRONG = WRONG.TASK1
 
 
 @pytest.mark.timeout(600)
@@ -329,27 +312,7 @@ def test_task_1_wrong_answers_fail_their_cells():
     assert not _failed(run_lab(TASK1)), "the solution fails a task 1 cell"
 
 
-TASK2_WRONG = {
-    "replicas counted once per copy": (
-        ("square().sum() / copies", "square().sum()"), {"test_task2_norm", "test_task2_clipped_step"}),
-    "the dtype argument ignored": (
-        ("        squares += grad.detach().to(device=device, dtype=dtype).square().sum() / copies\n",
-         "        squares += grad.detach().to(device=device, dtype=torch.float32).square().sum() / copies\n"),
-        {"test_task2_norm_dtype"}),
-    "clipping by rebinding list entries": (
-        ("            g.mul_(scale)\n            p.sub_(lr * g)\n",
-         "            pass\n"
-         "        for i in range(len(grads)):\n"
-         "            grads[i] = grads[i] * scale\n"
-         "            params[i] = params[i] - lr * grads[i]\n"),
-        {"test_task2_clipped_step"}),
-    "each rank skips on its own NaN": (
-        ("    norm = global_grad_norm(grads, replicas, device)\n",
-         "    if any(not torch.isfinite(g).all() for g in grads):\n"
-         "        return torch.tensor(float('nan'))        # skips the collective: the others wait\n"
-         "    norm = global_grad_norm(grads, replicas, device)\n"),
-        {"test_task2_skipped_step"}),
-}
+TASK2_WRONG = WRONG.TASK2
 
 
 @pytest.mark.timeout(600)
@@ -363,41 +326,7 @@ def test_task_2_wrong_answers_fail_their_cells():
 
 
 SYNC = "task3_bucketed_grad_sync"
-TASK3_WRONG = {
-    "all-reduced after backward, in finish() (no overlap)": (
-        ("        while self.next_to_send < len(self.buckets) and self.missing[self.next_to_send] == 0:\n"
-         "            self._send(self.next_to_send)\n",
-         "        pass                                   # everything is sent from finish()\n"),
-        {"test_task3_overlap", "test_task3_buckets"}),
-    "one bucket per parameter, whatever bucket_bytes says": (
-        ("            if size >= bucket_bytes:                 # this bucket is full: start the next one\n",
-         "            if True:\n"),
-        {"test_task3_buckets"}),
-    "buckets in forward order": (
-        ("        for p in reversed([p for p in model.parameters() if p.requires_grad]):\n",
-         "        for p in [p for p in model.parameters() if p.requires_grad]:\n"),
-        {"test_task3_overlap", "test_task3_buckets"}),
-    "a missing gradient is an error, and the step's state is kept (the first edition)": (
-        ("        try:\n            while self.next_to_send < len(self.buckets):   # buckets with a missing gradient\n",
-         "        if self.next_to_send < len(self.buckets):\n"
-         "            raise RuntimeError('a parameter got no gradient')   # the step's state stays\n"
-         "        try:\n            while self.next_to_send < len(self.buckets):\n"),
-        {"test_task3_missing_gradients_and_failures"}),
-    "averages never divided by the world size": (
-        ("                flat = self.flats[i] / self.world_size\n",
-         "                flat = self.flats[i].clone()\n"),
-        set(TASK3)),
-    "every bucket all-reduced twice (right values, twice the bytes)": (
-        ("        self.in_flight.append((i, dist.all_reduce(flat, async_op=True)))\n",
-         "        dist.all_reduce(flat)\n"
-         "        flat /= self.world_size\n"
-         "        self.in_flight.append((i, dist.all_reduce(flat, async_op=True)))\n"),
-        {"test_task3_buckets"}),
-    "no_sync ignored": (
-        ("        previous, self.syncing = self.syncing, False\n",
-         "        previous = self.syncing\n"),
-        set(TASK3)),
-}
+TASK3_WRONG = WRONG.TASK3
 
 
 @pytest.mark.timeout(900)
