@@ -395,3 +395,53 @@ def test_ddp_gradients_match_one_process_and_fp16_hook_rounds(ddp_world):
         assert 2.0 ** -14 < max(gaps) < 2.0 ** -9, (rank, gaps)   # FP16 rounding, not FP32's 2^-24
     with pytest.raises(labkit.RankError, match="rank .*'fp8' is not one of"):
         ddp_world.run(practice.ddp_gradients, "fp8")
+
+
+def _sequences_per_step(n, b, M):
+    """A rank's sequences per optimizer step: DistributedSampler + DataLoader, a step every M."""
+    from torch.utils.data import DataLoader, DistributedSampler
+    loader = DataLoader(range(n), batch_size=b, sampler=DistributedSampler(range(n), seed=0))
+    steps, in_step = [], []
+    for i, microbatch in enumerate(loader):
+        in_step.append(len(microbatch))
+        if len(in_step) == M or i == len(loader) - 1:
+            steps.append(sum(in_step))
+            in_step = []
+    return steps
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n, b, M", [(50, 2, 3), (11, 1, 2), (36, 3, 4)])
+def test_steps_per_epoch_follow_the_global_batch_arithmetic(ddp_world, n, b, M):
+    per_rank = ddp_world.run(_sequences_per_step, n, b, M)
+    measured = [sum(step) for step in zip(*per_rank)]
+    full, rest = divmod(math.ceil(n / 3), b * M)
+    assert measured == [b * M * 3] * full + ([rest * 3] if rest else []), measured
+    assert len({len(steps) for steps in per_rank}) == 1        # padding: every rank steps alike
+
+
+def test_chapter_cites_gradscaler_defaults_and_dtype_support_as_torch_defines_them():
+    """Section 6's sourced claims, read from the installed torch: GradScaler's defaults, NCCL's BF16
+    and FP8 conditions, and DDP's BF16-hook test on the build (not the backend)."""
+    import inspect
+    import json
+    import pathlib
+    root = pathlib.Path(torch.__file__).parent
+    chapter = "".join("".join(c["source"]) for c in json.loads(
+        (pathlib.Path(__file__).parents[2] / "course/02_data_parallel.ipynb").read_text())["cells"])
+    signature = inspect.signature(torch.amp.GradScaler.__init__)
+    for name, value in [("init_scale", 2.0 ** 16), ("growth_factor", 2.0), ("backoff_factor", 0.5),
+                        ("growth_interval", 2000)]:
+        assert signature.parameters[name].default == value, name
+    assert "first few iterations as its" in (root / "amp/grad_scaler.py").read_text()
+    nccl_h = (root / "include/torch/csrc/cuda/nccl.h").read_text()
+    assert "#define HAS_NCCL_BF16_DATATYPE (NCCL_MAJOR >= 2)" in nccl_h
+    utils = (root / "include/torch/csrc/distributed/c10d/NCCLUtils.hpp").read_text()
+    assert "NCCL_VERSION(2, 23, 0)" in utils and "{at::kDouble, ncclDouble}" in utils
+    assert "NCCL_VERSION(2, 24, 0)" in utils.split("#define NCCL_SUPPORTS_FP8")[0]
+    ddp = (root / "nn/parallel/distributed.py").read_text()
+    check = ddp[ddp.index('if hook.__name__ in ["bf16_compress_hook"'):][:900]
+    assert "torch.version.cuda is not None" in check and "torch.cuda.nccl.version() >= (2, 10)" in check
+    assert "backend" not in check                              # the build is tested, not the group
+    assert "NCCL 2.24+" in chapter and "not on the process group's backend" in chapter
+    assert "only when built with NCCL 2.10+" not in chapter

@@ -65,8 +65,9 @@ def ddp_gradients(hook: str, width: int = 64, layers: int = 2) -> dict:
     """On every rank: one DDP backward with the gradients reduced in `hook` ("fp32": DDP's default
     all_reduce; "fp16"/"bf16": torch's fp16_compress_hook / bf16_compress_hook, which cast each
     bucket, all-reduce it in that dtype and cast back). Returns {name: averaged FP32 gradient}.
-    Source: torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py; in torch 2.13 the bf16
-    hook refuses any backend but NCCL (CUDA 11+, NCCL 2.10+) or XCCL, so on gloo only "fp16" runs."""
+    Source: torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py; in torch 2.13
+    DDP.register_comm_hook refuses the bf16 hook unless torch was built with CUDA/ROCm and NCCL
+    2.10+, or XPU and XCCL (torch/nn/parallel/distributed.py): a CPU-only torch refuses it on gloo."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from labkit import device
     if hook not in HOOKS:
