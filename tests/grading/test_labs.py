@@ -84,14 +84,8 @@ __labkit_grading__ = forged''', 0),
             "mine.add_(received)", "mine.copy_((mine.float() + received.float()).to(mine.dtype))"),
             None, 5),
     },
-    # 6: a synchroniser that sends everything from finish(): nothing on the wire during backward
-    "lab02_data_parallel": {
-        "no_overlap": ("task3_bucketed_grad_sync", lambda source: source.replace(
-            "        while self.next_to_send < len(self.buckets) and "
-            "self.missing[self.next_to_send] == 0:\n            self._send(self.next_to_send)\n",
-            "        pass                                   # everything is sent from finish()\n"),
-            None, 12),
-    },
+    # 6: a synchroniser that sends everything from finish() is one of lab 2's graded wrong
+    # answers (tests/grading/wrong_answers/lab02_data_parallel.py)
 }
 
 from attacks_rank_side import RANK_SIDE_ATTACKS                     # noqa: E402 (after ATTACKS)
@@ -110,6 +104,20 @@ for _lab, _wrong in wrong_answers.load().items():                    # issue 26,
     ATTACKS.setdefault(_lab, {}).update(
         {student: (answers, None, scratch, score)
          for student, (answers, scratch, score) in _wrong.items()})
+
+# issue 26: the test cells of each lab that no wrong answer graded here fails yet (in notebook
+# order). The list only shrinks: add a wrong answer (tests/grading/wrong_answers/<lab>.py) that
+# fails the cell and passes the others of its submission, then take the cell out.
+UNCOVERED = {
+    "lab03_memory_and_zero": ["test_task1_bad_inputs"],
+    "lab04_tensor_parallel": ["test_task2_block_traffic"],
+    "lab05_pipeline_parallel": ["test_task1_complete", "test_task1_memory", "test_task1_bubble"],
+    "lab06_3d_parallelism": ["test_task1_layout", "test_task1_nodes", "test_task2_step",
+                             "test_task2_replicated", "test_task2_tied", "test_task3_memory"],
+    "lab08_checkpoints": ["test_task1_retention", "test_task1_leases"],
+    "lab09_failures_at_scale": ["test_task1_straggler", "test_task1_missing",
+                                "test_task1_hot_expert", "test_task2_clean_stream"],
+}
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]
@@ -157,7 +165,46 @@ def grade_with_cli(lab: str, submissions: dict, tmp: Path) -> dict:
     with open(out / "grades.csv") as f:
         rows = {r["student_id"]: r for r in csv.DictReader(f)}
     print(done.stdout[-2000:])
-    return {s: (float(r["score"]), float(r["max_score"]), r["problems"]) for s, r in rows.items()}
+    from labkit.grading.report import ClassRecord
+    record = ClassRecord("sqlite:///" + str(out / "gradebook.db"))
+    try:
+        failed = {student: set(row["failures"]) for student, row in record.rows(lab).items()}
+    finally:
+        record.close()
+    return {s: (float(r["score"]), float(r["max_score"]), r["problems"], failed.get(s, set()))
+            for s, r in rows.items()}
+
+
+def _task(grade_id: str) -> str:
+    """'task2' for the answer cell task2_norm_and_step and for the test cell test_task2_norm."""
+    return grade_id.removeprefix("test_").split("_")[0]
+
+
+def covered_cells(cells: list, scores: dict, changed: dict) -> set:
+    """The test cells (of `cells`) that some graded wrong answer fails while it passes every cell
+    of the tasks it left alone and, where its task has several cells, at least one of them: a
+    mistake that shows this cell is needed, not a submission that breaks everything (a
+    scratch-cell attack that zeroes the lab covers nothing)."""
+    per_task = {}
+    for cell in cells:
+        per_task.setdefault(_task(cell), set()).add(cell)
+    covered = set()
+    for student, (_, _, _, failed) in scores.items():
+        tasks = {_task(g) for g in changed.get(student, ())}
+        if not tasks or any(_task(c) not in tasks for c in failed):
+            continue
+        for cell in failed & set(cells):
+            siblings = per_task[_task(cell)]
+            if len(siblings) == 1 or siblings - failed:
+                covered.add(cell)
+    return covered
+
+
+def graded_cells(source: Path) -> list:
+    """The grade_ids of the lab's graded test cells, in notebook order."""
+    from labkit.grading import notebook as nbtools
+    return [c.metadata.nbgrader["grade_id"] for c in nbformat.read(str(source), as_version=4).cells
+            if nbtools.role(c) == "test"]
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -167,18 +214,21 @@ def test_solution_full_marks_blank_zero(lab, tmp_path):
     assert released.exists(), f"labs/{lab}/{source.name} missing: run `make release`"
     submissions = {"solution": as_submitted(source),
                    "blank": nbformat.read(str(released), as_version=4)}
+    changed = {}                                    # student -> the answer cells made wrong
     if lab in VISIBLE_ONLY:
         grade_id, answer = VISIBLE_ONLY[lab]
         submissions["visible-only"] = as_submitted(source, {grade_id: answer})
+        changed["visible-only"] = {grade_id}
     for student, (grade_id, answer, scratch, _) in ATTACKS.get(lab, {}).items():
         answers = grade_id if isinstance(grade_id, dict) else {grade_id: answer}
         submissions[student] = as_submitted(source, answers, scratch)
+        changed[student] = set(answers)
     scores = grade_with_cli(lab, submissions, tmp_path)
     attacks = {s: (scores[s][0], want, scores[s][2])
                for s, (_, _, _, want) in ATTACKS.get(lab, {}).items()}
     assert all(got == want for got, want, _ in attacks.values()), \
         f"{lab}: (score, expected, problems) per attack: {attacks}"
-    score, max_score, problems = scores["solution"]
+    score, max_score, problems, _ = scores["solution"]
     assert max_score > 0, f"{lab} has no graded test cells"
     assert score == max_score, f"{lab}: the solution scored {score} of {max_score} ({problems})"
     assert scores["blank"][0] == 0, f"{lab}: the blank copy scored {scores['blank']}"
@@ -186,3 +236,12 @@ def test_solution_full_marks_blank_zero(lab, tmp_path):
         got = scores["visible-only"][0]
         assert 0 < got < max_score, \
             f"{lab}: an answer that passes only the visible tests scored {got} of {max_score}"
+    # issue 26: every test cell is failed by at least one graded wrong or shortcut answer, so
+    # none of its points is earned without the work; the cells not yet covered are listed in
+    # UNCOVERED, exactly (a cell newly covered must leave the list, a cell newly uncovered fails)
+    cells = graded_cells(source)
+    covered = covered_cells(cells, scores, changed)
+    uncovered = [c for c in cells if c not in covered]
+    assert uncovered == UNCOVERED.get(lab, []), (
+        f"{lab}: test cells that no graded wrong answer fails: {uncovered} "
+        f"(UNCOVERED lists {UNCOVERED.get(lab, [])})")

@@ -119,3 +119,19 @@ def test_the_default_jobs_follow_the_cores_and_the_memory(monkeypatch):
     assert pipeline.default_jobs({"memory_bytes": 1 << 30}) == 13
     free.available = 64 << 40
     assert pipeline.default_jobs() == 16                   # 32 cores // 2
+
+
+def test_a_cell_counts_as_covered_only_by_a_mistake_confined_to_its_task():
+    from test_labs import covered_cells
+    cells = ["test_task1_values", "test_task1_traffic", "test_task2_only"]
+    changed = {"shortcut": {"task1_ring"}, "breaks_all": {"task1_ring"}, "none": {"task1_ring"},
+               "task2": {"task2_x"}, "scratch": set()}
+    scores = {"solution": (10, 10, "", set()),
+              "shortcut": (7, 10, "", {"test_task1_traffic"}),            # passes the values
+              "breaks_all": (0, 10, "", set(cells)),                      # leaks into task 2
+              "none": (2, 10, "", {"test_task1_values", "test_task1_traffic"}),  # all of task 1
+              "task2": (8, 10, "", {"test_task2_only"}),                   # a one-cell task
+              "scratch": (0, 10, "", set(cells))}
+    assert covered_cells(cells, scores, changed) == {"test_task1_traffic", "test_task2_only"}
+    del scores["shortcut"]
+    assert covered_cells(cells, scores, changed) == {"test_task2_only"}
