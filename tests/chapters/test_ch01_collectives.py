@@ -3,6 +3,7 @@ real ranks: a correct ring written as the prompt suggests keeps every point of t
 wrong answer issue 12 names fails the test cells of its task (the lab's own cells, visible and
 hidden lines, run outside nbgrader). The suite's `labkit grade` test gives the solution full marks."""
 import math
+import statistics
 import sys
 import threading
 
@@ -413,3 +414,63 @@ def test_two_groups_of_the_same_ranks_hang_even_in_teaching_mode():
         world.call(_two_groups_of_the_same_ranks, timeout=3)
     waiting = [line for line in str(hang.value).splitlines() if "waiting in all_reduce" in line]
     assert len(waiting) == 2 and all("on ranks [0, 1]" in line for line in waiting), str(hang.value)
+
+
+def test_the_held_out_band_rejects_a_constant_and_a_latency_free_model():
+    """Section 5's band, |log2(measured / predicted)| <= 1 at held-out sizes, on exact ring times
+    (alpha = 50 us, 1 GB/s, P = 2, the chapter's small sizes): the fitted ring is inside it, the two
+    wrong models fitted to the same sizes (a constant, a line through zero) are outside."""
+    P, alpha, beta = 2, 50e-6, 1e-9
+    sizes = [4 * 2 ** k for k in range(8, 23, 2)]                  # 1 KB .. 16 MB, 16 MB held out
+    times = [collectives.ring_all_reduce_time(n, P, alpha, beta) for n in sizes]
+    fit, held = sizes[0::2], sizes[1::2]
+    fit_t, held_t = times[0::2], times[1::2]
+    a, b = collectives.fit_alpha_beta(fit, fit_t, P)
+    ring = collectives.log2_ratios([collectives.ring_all_reduce_time(n, P, a, b) for n in held], held_t)
+    assert max(abs(r) for r in ring) < 1e-9
+    constant = collectives.log2_ratios([statistics.median(fit_t)] * len(held), held_t)
+    assert max(abs(r) for r in constant) > 1, constant
+    slope = sum(fit_t) / sum(collectives.ring_all_reduce_time(n, P, 0.0, 1.0) for n in fit)
+    latency_free = collectives.log2_ratios([collectives.ring_all_reduce_time(n, P, 0.0, slope) for n in held], held_t)
+    assert max(abs(r) for r in latency_free) > 1, latency_free
+    with pytest.raises(ValueError, match="2 predictions for 3"):
+        collectives.log2_ratios([1.0, 1.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="> 0"):
+        collectives.log2_ratios([0.0], [1.0])
+
+
+def _two_level_run(fn, n, G):
+    import torch
+    import torch.distributed as dist
+    rank, P = dist.get_rank(), dist.get_world_size()
+    intra = [dist.new_group(list(range(k * G, (k + 1) * G))) for k in range(P // G)]
+    inter = [dist.new_group(list(range(j, P, G))) for j in range(G)]
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    reference = x.clone()
+    dist.all_reduce(reference)
+    labkit.mark("groups built")
+    out = fn(x, intra[rank // G], inter[rank % G])
+    return out is x, (x - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("G", [2, 3])
+def test_the_chapters_two_level_all_reduce_has_the_formulas_bytes_inside_and_across(G):
+    """Section 7 counts 2 nodes x 2 ranks; the same code on 6 ranks as 3 nodes of 2 and 2 nodes
+    of 3: the values of dist.all_reduce, in place, 2(G-1)/G n per rank inside a node and
+    2(N-1)/N n/G across (the factors 1 and 2/3 at N = 3, 4/3 and 1/3 at G = 3)."""
+    fn = _chapter_function("hierarchical_all_reduce")
+    P, n = 6, 6 * (1 << 13)                                        # float64: 384 KiB
+    N = P // G
+    world = labkit.world(P, backend="gloo", teaching=False)
+    with world.traffic() as traffic:
+        results = world.run(_two_level_run, fn, n, G)
+    for in_place, error in results:
+        assert in_place and error <= 1e-12
+    start = traffic.marks["groups built"]["matrix"]
+    framing = 20 * collectives.GLOO_FRAMING_BYTES
+    for r in range(P):
+        sent = [traffic.matrix[r][q] - start[r][q] for q in range(P)]
+        intra = sum(sent[q] for q in range(P) if q != r and q // G == r // G)
+        inter = sum(sent[q] for q in range(P) if q // G != r // G)
+        assert abs(intra - 2 * (G - 1) / G * 8 * n) <= framing, (r, intra)
+        assert abs(inter - 2 * (N - 1) / N * 8 * n / G) <= framing, (r, inter)

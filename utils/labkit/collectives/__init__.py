@@ -214,6 +214,19 @@ def relative_errors(predicted, measured):
     return [abs(p - m) / m for p, m in zip(predicted, measured)]
 
 
+def log2_ratios(predicted, measured):
+    """log2(measured / predicted), element by element: 0 is exact, +1 twice the model, -1 half.
+
+    Chapter 1, section 5 judges times predicted at held-out sizes by |log2 ratio| <= 1 (a factor
+    2 either way), a band a constant or a latency-free model fails on a sweep from 1 KB to MBs.
+    """
+    if len(predicted) != len(measured):
+        raise ValueError(f"log2_ratios: {len(predicted)} predictions for {len(measured)} measurements")
+    if any(p <= 0 for p in predicted) or any(m <= 0 for m in measured):
+        raise ValueError(f"log2_ratios: times must be > 0, got predicted {predicted}, measured {measured}")
+    return [math.log2(m / p) for p, m in zip(predicted, measured)]
+
+
 # ---- timing on a world ----
 
 def _run_timed(op_bytes, n_floats, repeats, dtype_name):
