@@ -106,18 +106,10 @@ for _lab, _wrong in wrong_answers.load().items():                    # issue 26,
          for student, (answers, scratch, score) in _wrong.items()})
 
 # issue 26: the test cells of each lab that no wrong answer graded here fails yet (in notebook
-# order). The list only shrinks: add a wrong answer (tests/grading/wrong_answers/<lab>.py) that
-# fails the cell and passes the others of its submission, then take the cell out.
-UNCOVERED = {
-    "lab03_memory_and_zero": ["test_task1_bad_inputs"],
-    "lab04_tensor_parallel": ["test_task2_block_traffic"],
-    "lab05_pipeline_parallel": ["test_task1_complete", "test_task1_memory", "test_task1_bubble"],
-    "lab06_3d_parallelism": ["test_task1_layout", "test_task1_nodes", "test_task2_step",
-                             "test_task2_replicated", "test_task2_tied", "test_task3_memory"],
-    "lab08_checkpoints": ["test_task1_retention", "test_task1_leases"],
-    "lab09_failures_at_scale": ["test_task1_straggler", "test_task1_missing",
-                                "test_task1_hot_expert", "test_task2_clean_stream"],
-}
+# order) are each wrong-answers module's UNCOVERED. The list only shrinks: add a wrong answer
+# (tests/grading/wrong_answers/<lab>.py) that fails the cell and passes the others of its
+# submission, then take the cell out.
+UNCOVERED = wrong_answers.uncovered()
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")]

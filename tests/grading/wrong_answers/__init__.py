@@ -8,7 +8,8 @@ source}, `scratch` a cell of the student's inserted after the setup cells (or No
 the exact score `labkit grade` must give. test_labs.py grades them in the same `labkit grade` run
 as the lab's solution and blank copy, so each costs grading seconds: a submission may carry one
 wrong answer per task (each losing only the cells of its own task), and the module's docstring
-says which test cell each wrong answer is there to fail.
+says which test cell each wrong answer is there to fail. A module's `UNCOVERED` lists the
+lab's test cells that none of its wrong answers fails yet (test_labs checks the list exactly).
 
 The per-cell coverage (every test cell failed by some wrong answer that passes the others) is
 checked fast, outside nbgrader, by the chapter tests (tests/chapters, `lab_notebooks.run_lab`)."""
@@ -31,6 +32,14 @@ def swap(*pairs):
             source = edit(source, old, new)
         return source
     return wrong
+
+
+def uncovered() -> dict:
+    """{lab: the test cells no wrong answer of its module fails yet} (a module's UNCOVERED, in
+    notebook order; none when the module has no such list)."""
+    return {info.name: list(getattr(importlib.import_module(f"{__name__}.{info.name}"),
+                                    "UNCOVERED", []))
+            for info in pkgutil.iter_modules(__path__)}
 
 
 def load() -> dict:
