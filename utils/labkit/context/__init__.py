@@ -59,3 +59,9 @@ def attention(q, k, v, causal: bool = False, q_pos=None, k_pos=None):
     lse = torch.logsumexp(scores, dim=-1)                           # [B, H, Tq]
     weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return weights @ v, lse
+
+
+from labkit.context.costs import (activation_bytes, blocks_computed, five_d,  # noqa: E402
+                                  ring_bytes, ulysses_bytes)
+
+__all__ += ["activation_bytes", "blocks_computed", "five_d", "ring_bytes", "ulysses_bytes"]
