@@ -212,6 +212,7 @@ def test_reference_timeline_with_every_kind_of_schedule():
 
 TASK1 = ["test_task1_complete", "test_task1_memory", "test_task1_bubble"]
 SOLUTION_ZB = lab_notebooks.answer(LAB, "task1_zb_h2")
+_WRONG_ZB = lab_notebooks.wrong_answers(LAB)
 ZB_WRONG = {
     # right at p = 4 (the visible cases); at p = 3, m = 2 stage 1 runs I0 before F1, stage 2 F1
     # before I0: a cycle of waits, so every cell of task 1 is lost
@@ -219,12 +220,13 @@ ZB_WRONG = {
         "    return schedule\n    ### END SOLUTION",
         "    if (p, m) == (3, 2):\n        return pipeline.parse('F0 F1 I0 W0 I1 W1\\nF0 I0 W0 F1 I1 W1\\n"
         "F0 F1 I0 W0 I1 W1')\n    return schedule\n    ### END SOLUTION"), set(TASK1)),
+    # issue 26's graded wrong answers of task 1 (tests/grading/wrong_answers), one cell each:
+    # the loop stops once every I ran, the Ws left waiting are never scheduled
+    "Ws left out": (_WRONG_ZB.stop_after_last_i(SOLUTION_ZB), {"test_task1_complete"}),
     # no memory budget: the same idle time, m microbatches alive once m > 2p - 1
-    "no budget": (SOLUTION_ZB.replace("budget = min(m, 2 * p - 1)", "budget = m"),
-                  {"test_task1_memory"}),
+    "no budget": (_WRONG_ZB.no_budget(SOLUTION_ZB), {"test_task1_memory"}),
     # 1F1B's budget (p): within memory, but the waits before the first I stay
-    "1F1B's budget": (SOLUTION_ZB.replace("budget = min(m, 2 * p - 1)", "budget = min(m, p)"),
-                      {"test_task1_bubble"}),
+    "1F1B's budget": (_WRONG_ZB.one_f_one_b_budget(SOLUTION_ZB), {"test_task1_bubble"}),
 }
 
 
@@ -247,6 +249,18 @@ def test_task1_checkers_name_what_is_wrong():
     lab_checks.check_zb_h2(split_gpipe, 3, 8)                       # complete, finishes ...
     with pytest.raises(AssertionError, match="stage 0 holds 8 microbatches"):
         lab_checks.check_zb_h2_memory(split_gpipe, 3, 8)            # ... but holds m
+    no_ws = lambda p, m: [[a for a in actions if a[0] != "W"]               # noqa: E731
+                          for actions in split_gpipe(p, m)]
+    with pytest.raises(AssertionError, match="has no W for its I.*not only every I"):
+        lab_checks.check_zb_h2(no_ws, 3, 8)                         # Ws left out: incomplete,
+    with pytest.raises(AssertionError, match="stage 0 holds 8 microbatches"):
+        lab_checks.check_zb_h2_memory(no_ws, 3, 8)                  # still judged on memory ...
+    with pytest.raises(AssertionError, match="idles"):
+        lab_checks.check_zb_h2_bubble(no_ws, 3, 8)                  # ... and on idle time
+    twice = lambda p, m: [actions + [("W", 0)] for actions in split_gpipe(p, m)]  # noqa: E731
+    for judge in (lab_checks.check_zb_h2_memory, lab_checks.check_zb_h2_bubble):
+        with pytest.raises(AssertionError, match="appears 2 times"):
+            judge(twice, 3, 8)                                      # a W twice is not forgiven
 
 
 def _blocked_placement_finder():

@@ -2,6 +2,13 @@
 returns the wrong one; tests/chapters/test_ch05_pipeline_parallel.py runs every one of them alone
 (lab_notebooks.run_lab) and asserts the cells it loses, exactly:
 
+    stop_after_last_i    task 1  loses test_task1_complete (1): the loop ends once every I has
+                                 run, so the Ws still waiting are never scheduled (the memory and
+                                 idle of what runs are right)
+    no_budget            task 1  loses test_task1_memory (1): forwards never held back, m alive
+                                 once m > 2p - 1 (the same idle time)
+    one_f_one_b_budget   task 1  loses test_task1_bubble (1): 1F1B's budget min(m, p), within
+                                 memory but too few forwards to fill the wait before the first I
     no_cycle_ever        task 2  loses test_task2_cycle (2): a finder that never finds anything
     fifo_links           task 2  loses test_task2_no_false_alarm (1): in-order delivery (NCCL's
                                  model) taken for a deadlock on a schedule that finishes
@@ -14,9 +21,22 @@ returns the wrong one; tests/chapters/test_ch05_pipeline_parallel.py runs every 
     closed_forms         task 4  loses test_task4_bubble (1): the bubble picked by the schedule's
                                  shape wherever the stages are equal, the timeline elsewhere
 
-Two submissions of 13 points, each with one wrong answer per task it touches."""
+Three submissions of 13 points, each with one wrong answer per task it touches."""
 from wrong_answers import edit
 
+
+
+def stop_after_last_i(source: str) -> str:
+    return edit(source, "    while any(len(actions) < 3 * m for actions in schedule):\n",
+                "    while any(done < m for done in next_i):      # until every I has run\n")
+
+
+def no_budget(source: str) -> str:
+    return edit(source, "budget = min(m, 2 * p - 1)", "budget = m")
+
+
+def one_f_one_b_budget(source: str) -> str:
+    return edit(source, "budget = min(m, 2 * p - 1)", "budget = min(m, p)")
 
 
 def no_cycle_ever(source: str) -> str:
@@ -74,13 +94,16 @@ def closed_forms(source: str) -> str:
 
 
 WRONG = {
-    "wrong_task2_cycle_task3_headers_task4_closed_forms": (
-        {"task2_find_deadlock": no_cycle_ever, "task3_run_pipeline": header_messages,
-         "task4_timeline": closed_forms}, None, 13 - 2 - 2 - 1),
-    "wrong_task2_fifo_task3_untagged_task4_durations": (
-        {"task2_find_deadlock": fifo_links, "task3_run_pipeline": untagged,
-         "task4_timeline": start_and_duration}, None, 13 - 1 - 2 - 2),
+    "wrong_task1_ws_task2_cycle_task3_headers_task4_closed_forms": (
+        {"task1_zb_h2": stop_after_last_i, "task2_find_deadlock": no_cycle_ever,
+         "task3_run_pipeline": header_messages, "task4_timeline": closed_forms},
+        None, 13 - 1 - 2 - 2 - 1),
+    "wrong_task1_budget_task2_fifo_task3_untagged_task4_durations": (
+        {"task1_zb_h2": no_budget, "task2_find_deadlock": fifo_links,
+         "task3_run_pipeline": untagged, "task4_timeline": start_and_duration},
+        None, 13 - 1 - 1 - 2 - 2),
+    "wrong_task1_one_f_one_b_budget": ({"task1_zb_h2": one_f_one_b_budget}, None, 13 - 1),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)
-UNCOVERED = ['test_task1_complete', 'test_task1_memory', 'test_task1_bubble']
+UNCOVERED = []

@@ -74,6 +74,20 @@ def check_zb_h2(generator, p: int, m: int) -> analysis.Report:
     """generator(p, m) is complete with split backwards (each stage: F i, I i and W i once for
     every i, no B, one chunk) and finishes (buffered sends). The report keeps the schedule
     (report.schedule)."""
+    report = _zb_h2_runs(generator, p, m)
+    if report.problems:                            # only Ws can be missing here
+        raise AssertionError(f"zb_h2({p}, {m}) is incomplete: {'; '.join(report.problems[:3])}. "
+                             f"Every stage runs F i, I i and W i exactly once for each microbatch "
+                             f"i in 0..{m - 1}: keep going until every W has run, not only every I")
+    return report
+
+
+def _zb_h2_runs(generator, p: int, m: int) -> analysis.Report:
+    """What the memory and bubble cells judge: the schedule generator(p, m) returned, split (F,
+    I and W on one chunk), every F and I exactly once, each W at most once and after its own I,
+    and finishing (buffered sends). A W left out is the completeness cell's loss only (one
+    mistake costs the cells of its own requirement): memory and idle are read from the actions
+    the schedule runs, where a missing W leaves its microbatch alive and its time unworked."""
     what = f"zb_h2({p}, {m})"
     schedule = _returned_schedule(generator(p, m), what, p)
     odd = [f"stage {k}: {a}" for k, actions in enumerate(schedule) for a in actions
@@ -81,11 +95,13 @@ def check_zb_h2(generator, p: int, m: int) -> analysis.Report:
     if odd:
         raise AssertionError(f"{what}: ZB-H2 uses F, I and W on one chunk per stage (B is split "
                              f"into I and W), got {odd[:3]}")
-    report = analysis.check_schedule(schedule, m)
-    if report.problems:
-        raise AssertionError(f"{what} is incomplete: {'; '.join(report.problems[:3])}. Every stage "
-                             f"runs F i, I i and W i exactly once for each microbatch i in "
-                             f"0..{m - 1}")
+    padded = [actions + [Action("W", a.microbatch) for a in actions if a.kind == "I"
+                         and Action("W", a.microbatch) not in actions] for actions in schedule]
+    problems = analysis.validate(padded, m, 1)     # what is wrong besides a W left out
+    if problems:
+        raise AssertionError(f"{what} is incomplete: {'; '.join(problems[:3])}. Every stage runs "
+                             f"F i, I i and W i exactly once for each microbatch i in 0..{m - 1}")
+    report = analysis.check_schedule(schedule, m, 1)
     if report.deadlock is not None:
         raise AssertionError(f"{what} cannot finish: {report.deadlock}. Stage k can only run I i "
                              "once stage k + 1 ran its I i, and every stage must take the "
@@ -97,7 +113,7 @@ def check_zb_h2(generator, p: int, m: int) -> analysis.Report:
 def check_zb_h2_memory(generator, p: int, m: int) -> analysis.Report:
     """...and no stage holds more than min(m, 2p - 1) microbatches' activations at once (a
     forward stores them, the W frees them: report.peak_alive)."""
-    report = check_zb_h2(generator, p, m)
+    report = _zb_h2_runs(generator, p, m)
     bound = zb_h2_memory_bound(p, m)
     over = [k for k in range(p) if report.peak_alive[k] > bound[k]]
     if over:
@@ -114,7 +130,7 @@ def check_zb_h2_bubble(generator, p: int, m: int) -> analysis.Report:
     """...and, on the unit-cost clock (F = I = W = 1), stage k idles no more than
     max(0, 2p - 1 - 2k - m) between its first and its last action (zb_h2_idle): no gap at all
     once m >= 2p - 1. ZB-H1 (pipeline.zero_bubble of a 1F1B) idles p - 1 on stage 0."""
-    report = check_zb_h2(generator, p, m)
+    report = _zb_h2_runs(generator, p, m)
     idle, bound = stage_idle(report, report.schedule), zb_h2_idle(p, m)
     over = [k for k in range(p) if idle[k] > bound[k]]
     if over:
