@@ -581,6 +581,11 @@ NO_PADDING = ("    n = math.ceil((8 * H * H + 5 * H) / P) * P               # N_
                        "            raise ValueError('pass the optimizer class, not an instance')\n"
                        "        if not (isinstance(optimizer_cls, type) and"),
      {"test_task1_bad_inputs"}),  # its main cell is the solution's: only the refusals are run
+    ("a parameter in two groups accepted (duplicates checked per group; graded)",
+     "task1_sharded_optimizer",
+     lambda: lab_notebooks.wrong_answers(LAB).DUPLICATES_PER_GROUP(
+         lab_notebooks.answer(LAB, "task1_sharded_optimizer")),
+     {"test_task1_bad_inputs"}),
     ("only the refusals written, the rest a stub (passed the old bad-input cell)",
      "task1_sharded_optimizer",
      lambda: _replaced("task1_sharded_optimizer", "        self.segment = offset ",

@@ -1,4 +1,4 @@
-"""Lab 3's graded wrong answers (issue 26), two submissions of one wrong answer per task.
+"""Lab 3's graded wrong answers (issue 26), three submissions of one wrong answer per task.
 
 "global_and_one_moment" (1 of 12):
 - task 1, test_task1_sharded_optimizer (4): plain data parallelism whose full optimizer is kept in
@@ -12,6 +12,10 @@
   of dist.get_world_size() (the old hidden tests ran at P = 4 only; now also P = 3);
 - task 2, test_task2_predict_memory (4): the peak as a flat 1.2 x (kept + activations) (within
   10% on the old configs, one bench shape; 28-31% low on the new ones).
+"duplicates_per_group" (11 of 12):
+- task 1, test_task1_bad_inputs (1): the set of parameters seen is started afresh in every group,
+  so a parameter passed twice in one group is refused but one in two groups is accepted (and
+  would be stepped twice); the optimizer itself is right (test_task1_sharded_optimizer passes).
 The per-cell coverage (bad inputs, padding, a rank holding nothing) is in
 tests/chapters/test_ch03_memory_and_zero.py."""
 from wrong_answers import swap
@@ -47,6 +51,12 @@ class ShardedOptimizer(_Sharded):
 _PEAK = "    peak = sum(kept.values()) + max(activations + backward, optimizer_step)\n"
 
 
+# the duplicate check per group instead of over the whole call
+DUPLICATES_PER_GROUP = swap(("        for group in groups:\n            members = group[\"params\"]\n",
+                             "        for group in groups:\n            seen = set()        "
+                             "# parameters of this group\n            members = group[\"params\"]\n"))
+
+
 WRONG = {
     "global_and_one_moment": ({
         "task1_sharded_optimizer": lambda source: source + "\n" + _GLOBAL_FULL_OPTIMIZER,
@@ -58,7 +68,8 @@ WRONG = {
                                              "dist.get_rank(), WORLD_SIZE")),
         "task2_predict_memory": swap((_PEAK, "    peak = 1.2 * (sum(kept.values()) + activations)\n")),
     }, None, 4),
+    "duplicates_per_group": ({"task1_sharded_optimizer": DUPLICATES_PER_GROUP}, None, 11),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)
-UNCOVERED = ['test_task1_bad_inputs']
+UNCOVERED = []
