@@ -13,7 +13,8 @@ Isolation, when the grader runs as root on Linux (`isolation_report()` says what
     /tmp; the course repository, the gradebook and every other submission are simply not there;
     only a loopback interface (no network); the kernel talks to the grader over unix sockets
     (jupyter's `ipc` transport), since TCP does not cross network namespaces;
-  - cgroups (v1 memory + pids, when writable) bound memory and processes of the whole submission,
+  - cgroups (v1 memory + pids, or v2's memory.max + pids.max, when writable: cgroups.py) bound
+    memory and processes of the whole submission,
     ranks included; rlimits bound processes per user, open files, file size, core dumps;
   - closing kills the PID namespace's first process, which takes every process in it (ranks,
     daemons, fork bombs) down with it; then the cgroup is checked empty and removed.
@@ -79,20 +80,20 @@ def can_isolate() -> tuple[bool, str]:
 
 
 def cgroup_dirs() -> dict[str, str]:
-    """The v1 cgroup controllers we can use here ({"memory": path, "pids": path})."""
-    found = {}
-    for controller in ("memory", "pids"):
-        base = os.path.join(_CGROUP_ROOT, controller)
-        if os.path.isfile(os.path.join(base, "cgroup.procs")) and os.access(base, os.W_OK):
-            found[controller] = base
-    return found
+    """The cgroup controllers we can use here, {"memory": folder, "pids": folder}: v1's two
+    hierarchies, or v2's one delegated folder under both names; {} without (see cgroups.py)."""
+    from labkit.grading.cgroups import detect
+    return detect().bases
 
 
 def isolation_report() -> dict:
     ok, why = can_isolate()
-    cgroups = cgroup_dirs() if ok else {}
+    from labkit.grading.cgroups import detect
+    found = detect() if ok else None
+    cgroups = found.bases if found else {}
     return {"namespaces": ok, "why": why, "separate_user": ok, "network": ok,
-            "cgroup_memory": "memory" in cgroups, "cgroup_pids": "pids" in cgroups}
+            "cgroup_memory": "memory" in cgroups, "cgroup_pids": "pids" in cgroups,
+            "cgroup_version": found.version if found else None}
 
 
 MAX_SLOTS = 64
@@ -240,21 +241,16 @@ class Sandbox:
         if self.isolated:
             self.uid, self.gid = ensure_user(self.slot)
             rlimits["RLIMIT_NPROC"] = self.limits.processes
-            controllers = cgroup_dirs()
-            for controller, base in controllers.items():
-                # the kernel's cgroup, and one for the ranks the grader starts (grading/ranks.py):
-                # a fork bomb or a memory hog in the kernel cannot starve the graded calls
-                for name, into in ((tag, self.cgroups), (tag + "-ranks", self.rank_cgroups)):
-                    path = os.path.join(base, "labkit-grading", self.run_id, name)
-                    os.makedirs(path)
-                    into.append(path)
-                    if controller == "memory":
-                        _write(os.path.join(path, "memory.limit_in_bytes"),
-                               self.limits.memory_bytes)
-                        _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
-                    else:
-                        _write(os.path.join(path, "pids.max"), self.limits.processes)
-            if "memory" not in controllers:
+            from labkit.grading import cgroups
+            found = cgroups.detect()
+            # the kernel's cgroup, and one for the ranks the grader starts (grading/ranks.py): a
+            # fork bomb or a memory hog in the kernel cannot starve the graded calls. v1: one
+            # folder per controller; v2: one folder holding both limits.
+            for name, into in ((tag, self.cgroups), (tag + "-ranks", self.rank_cgroups)):
+                into += cgroups.make_group(found, f"labkit-grading/{self.run_id}/{name}",
+                                           memory_bytes=self.limits.memory_bytes,
+                                           processes=self.limits.processes)
+            if "memory" not in found.bases:
                 rlimits["RLIMIT_AS"] = self.limits.memory_bytes
             for dirpath, dirnames, filenames in os.walk(self.workdir):
                 for entry in [dirpath] + [os.path.join(dirpath, n) for n in filenames]:
@@ -546,15 +542,15 @@ def join_worker_cgroup(run_id: str, slot: int, memory_bytes: int = WORKER_MEMORY
     killer. The children it starts inherit it until they join their own (the sandbox's kernel
     and ranks do). Returns the cgroup's folder, or None without a memory controller. The run's
     cleanup removes it with the others (pipeline._remove_cgroups)."""
-    base = cgroup_dirs().get("memory")
-    if base is None or os.geteuid() != 0:
+    from labkit.grading import cgroups
+    found = cgroups.detect()
+    if "memory" not in found.bases or os.geteuid() != 0:
         return None
-    path = os.path.join(base, "labkit-grading", run_id, f"worker-{slot}")
-    os.makedirs(path, exist_ok=True)
-    _write(os.path.join(path, "memory.limit_in_bytes"), int(memory_bytes))
-    _write(os.path.join(path, "memory.swappiness"), 0, missing_ok=True)
-    _write(os.path.join(path, "cgroup.procs"), os.getpid())
-    return path
+    # memory only: v1 makes no pids group for it; v2's group has pids.max unset ("max")
+    folders = cgroups.make_group(found, f"labkit-grading/{run_id}/worker-{slot}",
+                                 memory_bytes=int(memory_bytes))
+    cgroups.join(folders)
+    return folders[0]
 
 
 def become_subreaper() -> None:

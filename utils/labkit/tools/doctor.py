@@ -10,7 +10,8 @@ not ok, the fix. The first step of a GPU runner's course run (.github/workflows/
 Exit code: 0 the course runs here and `labkit grade` can isolate submissions; 1 the course cannot
 run here (a FAIL marked "course"); 2 the course runs, but grading cannot isolate (a FAIL marked
 "grade": no root, no unshare, useradd or nsenter, an unreachable --db). warn and skip never
-change it (no cgroup v1 controllers is a warn: limits then hold per process, not per submission).
+change it (no usable cgroup v1 or v2 memory+pids is a warn: limits then hold per process, not
+per submission; the cgroups line says which version holds and with which files).
 """
 from __future__ import annotations
 
@@ -206,10 +207,11 @@ def check_kernel() -> Check:
     return Check("ok", "kernel", f"labkit kernel at {specs['labkit']}")
 
 
-def check_sandbox(euid: int | None = None, which=shutil.which, cgroups: dict | None = None
-                  ) -> list[Check]:
-    """What `labkit grade` needs to isolate a submission (docs/INSTRUCTORS.md)."""
-    if cgroups is None and student_copy():
+def check_sandbox(euid: int | None = None, which=shutil.which, cgroups: dict | None = None,
+                  found=None) -> list[Check]:
+    """What `labkit grade` needs to isolate a submission (docs/INSTRUCTORS.md). Tests pass
+    `found` (a labkit.grading.cgroups.Cgroups) or `cgroups` ({controller: folder}, v1's shape)."""
+    if cgroups is None and found is None and student_copy():
         return [Check("skip", "sandbox", "no labkit.grading here (a student copy): grading "
                       "checks skipped")]
     euid = os.geteuid() if euid is None else euid
@@ -226,20 +228,32 @@ def check_sandbox(euid: int | None = None, which=shutil.which, cgroups: dict | N
         checks.append(Check("ok", tool, f"{path} ({why})") if path else
                       Check("FAIL", tool, f"`{tool}` missing ({why})",
                             f"apt-get install -y {package}", "grade"))
-    if cgroups is None:
-        from labkit.grading.sandbox import cgroup_dirs
-        cgroups = cgroup_dirs() if euid == 0 else {}
-    missing = [c for c in ("memory", "pids") if c not in cgroups]
-    if missing:
-        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-        checks.append(Check("warn", "cgroups", f"no writable cgroup v1 {', '.join(missing)} "
-                            "controller" + (" (a cgroup v2 host)" if v2 else "") + ": memory "
-                            "and processes are capped per process (rlimits), not per "
-                            "submission", "run as root on a host or --privileged container "
-                            "with cgroup v1 memory and pids hierarchies under /sys/fs/cgroup"))
-    else:
-        checks.append(Check("ok", "cgroups", "memory and pids controllers writable"))
+    checks.append(check_cgroups(euid, cgroups, found))
     return checks
+
+
+def check_cgroups(euid: int, cgroups: dict | None = None, found=None) -> Check:
+    """Which cgroup version bounds a whole submission here, and with which files (cgroups.py)."""
+    from labkit.grading.cgroups import Cgroups, detect
+    if found is None:
+        if cgroups is not None:      # given by a test: v1-style {"memory": path, "pids": path}
+            both = {"memory", "pids"} <= set(cgroups)
+            found = Cgroups(1 if both else None, dict(cgroups) if both else {},
+                            "controllers given" if both else "no memory+pids controllers given")
+        elif euid != 0:
+            found = Cgroups(None, {}, f"not root (uid {euid}): no cgroup can be made")
+        else:
+            found = detect()
+    if found.version is None:
+        return Check("warn", "cgroups", f"{found.why}: no per-submission limit; memory and "
+                     "processes are capped per process (RLIMIT_AS) and per slot user "
+                     "(RLIMIT_NPROC), not for the submission's kernel and ranks together",
+                     "run as root on a host with cgroup v1 memory and pids hierarchies, or on a "
+                     "cgroup v2 host whose /sys/fs/cgroup (or $LABKIT_CGROUP_ROOT, a delegated "
+                     "subtree without processes of its own) offers the memory and pids "
+                     "controllers")
+    return Check("ok", "cgroups", f"{found.why}: a submission's kernel and its ranks are bounded "
+                 f"together by {found.enforced}")
 
 
 def check_chromium(path: str = CHROMIUM) -> Check:
