@@ -49,11 +49,23 @@ class Session:
         self.task_names: list = []
         self._worlds: dict = {}          # size -> SandboxWorld (graded calls run there)
         self._zygote = None              # the sandbox's rank starter (torch imported once)
+        self.timings: dict = {}          # phase -> seconds: kernel start, kernel cells, rank
+                                         # start, each test cell, close (the result's "timings")
+
+    def timed(self, phase: str, since: float):
+        self.timings[phase] = round(self.timings.get(phase, 0.0) + time.monotonic() - since, 3)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def _new_box(self):
+        since = time.monotonic()
+        try:
+            self._start_box()
+        finally:
+            self.timed("kernel start", since)
+
+    def _start_box(self):
         self._close_worlds()
         self._exported = None
         if self.box is not None:
@@ -80,7 +92,9 @@ class Session:
                 # a while): they get at least a minute
                 limit = self.cell_timeout if index not in self.setup_cells else \
                     max(self.cell_timeout, 60.0)
+                since = time.monotonic()
                 result = self.box.execute(source, min(limit, self.remaining()))
+                self.timed("kernel cells", since)
                 outputs = list(result.outputs)
                 if result.status == "timeout":
                     outputs.append(_note(f"stopped: this cell ran past its time limit "
@@ -177,8 +191,10 @@ class Session:
                 world.close()
             while len(self._worlds) >= 2:
                 self._worlds.pop(next(iter(self._worlds))).close()
+            since = time.monotonic()
             world = SandboxWorld(int(size), self.box, timeout=timeout, teaching=teaching,
                                  zygote=self._rank_starter())
+            self.timed("rank start", since)
         self._worlds[key] = world              # most recently used last
         return world
 
@@ -239,12 +255,14 @@ class Session:
         return self._zygote
 
     def _close_worlds(self):
+        since = time.monotonic()
         for world in self._worlds.values():
             world.close()
         self._worlds = {}
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        self.timed("close: worlds", since)
 
     def remote(self, code: str, what: str, timeout: float | None = None, raw: bool = True):
         """Run a line of the grader's helper in the student's kernel; its plain-data reply (a
@@ -284,8 +302,10 @@ class Session:
     def close(self):
         self._close_worlds()
         if self.box is not None:
+            since = time.monotonic()
             self.box.close()
             self.box = None
+            self.timed("close: kernel", since)
 
 
 def _note(text: str) -> dict:
@@ -320,7 +340,9 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
                 for i, setup in setups:
                     if i < upto and i not in setup_done:
                         setup_done.add(i)
+                        since = time.monotonic()
                         problem = runner.run_setup(setup.source, str(i))
+                        session.timed("trusted setup", since)
                         if problem:
                             setup_errors.append(f"setup cell {i}: {problem}")
                 if session.remaining() <= 0:
@@ -330,7 +352,9 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
                          "traceback": ["TimeLimit: the submission's time limit was reached "
                                        "before this test ran"]}]}
                 else:
+                    since = time.monotonic()
                     verdict = runner.run_test(cell.source, grade_id)
+                    session.timed(f"test {grade_id}", since)
                 entry.update(verdict)
                 if verdict["passed"]:
                     entry["nonce"] = job["nonce"]
@@ -338,8 +362,11 @@ def grade_notebook(job: dict, nb_id: str, path: str, deadline: float) -> dict:
                 entry["outputs"] = session.recorded[index]
             cells[str(index)] = entry
     finally:
+        since = time.monotonic()
         session.close()
+        session.timed("close", since)
     return {"cells": cells, "events": session.events, "restarts": session.restarts,
+            "timings": session.timings,
             "setup_errors": setup_errors if "setup_errors" in locals() else []}
 
 

@@ -195,6 +195,7 @@ class World:
         self._deadlock = None     # the verdict of _DeadlockWatch in the last call, if any
         self.last_output = {}     # rank -> [(stream, line)] of the last call
         self.last_exit = {}       # rank -> exit code at close (None: still running, killed)
+        self.last_leave = {}      # rank -> its "stopped" message at close (see close)
         if not lazy:
             self._start()
 
@@ -288,8 +289,12 @@ class World:
                 except OSError:
                     pass
         deadline = time.monotonic() + 3.0
+        # each rank's word on leaving: {"waited_out": whether it waited out a bound for a peer}
+        self.last_leave = {}
         while any(r.alive() for r in self._ranks) and time.monotonic() < deadline:
-            self._pump(0.05, quiet=True)
+            for rank, message in self._pump(0.05, quiet=True):
+                if isinstance(message, dict) and message.get("kind") == "stopped":
+                    self.last_leave[rank] = message
         self.last_exit = {r.rank: r.process.exitcode for r in self._ranks}  # None: killed below
         _log_close(self, {r.rank: [line for stream, line in r.output.lines if stream == "err"]
                           for r in self._ranks})

@@ -56,6 +56,7 @@ class RankState:
     records = False          # send this task's communication records with every reply
     store = None             # the TCPStore client (or server, on a store-hosting rank 0)
     store_host = False       # this rank hosts the store: it leaves last (leave_group)
+    store_rank = None        # the rank hosting the store (0 or None: the kernel hosts it)
 
 
 STATE = RankState()
@@ -209,6 +210,7 @@ def _init_process_group(settings):
                           world_size=settings["world_size"] if host_store else None,
                           wait_for_workers=False, timeout=timedelta(seconds=60))
     STATE.store_host = host_store
+    STATE.store_rank = 0 if settings.get("store_on_rank_0", False) else None
     store = dist.PrefixStore(settings["prefix"], store)
     STATE.store = store
     kwargs = {"device_id": STATE.device} if backend == "nccl" else {}
@@ -272,12 +274,16 @@ def _serve(commands):
             _hooks.set_fault(message[1])
             send(commands, {"kind": "fault-set"})
         elif kind == "stop":
+            waited_out = None
             try:
                 # World.close kills what is left after 3 s: wait 2 s at most for the peers
-                leave_group(STATE.store, STATE.rank, STATE.world_size, seconds=2.0,
-                            host_rank=0 if STATE.store_host else None)
+                # every rank names the store's host: the host waits for the others' word, and
+                # the others must give it (a host_rank of None on them left the host waiting
+                # its whole bound: 2 s per close of every grader's world)
+                waited_out = leave_group(STATE.store, STATE.rank, STATE.world_size,
+                                         seconds=2.0, host_rank=STATE.store_rank)
             finally:
-                send(commands, {"kind": "stopped"})
+                send(commands, {"kind": "stopped", "waited_out": waited_out})
                 _flush_all(MARKER.format("stop"))
                 os._exit(0)
 
@@ -308,9 +314,12 @@ def leave_group(store=None, rank=None, world_size=None, host_rank=None, key="lab
     not drop, so the group and its threads live on into finalization. Under load the worker is
     preempted between completing a work and releasing it, and the main thread gets there first.
     tests/stress/stress_lifecycle.py's `exit` mode counts it.
-    Never raises: leaving is best effort, and the peers' own deadlines bound it."""
+    Never raises: leaving is best effort, and the peers' own deadlines bound it. Returns whether
+    it waited out a bound (a peer that never came: barrier failed, or the host's count short),
+    which a clean exit of every rank never does."""
     from datetime import timedelta
     import time as _time
+    waited_out = False
     if dist.is_initialized():
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
@@ -322,22 +331,25 @@ def leave_group(store=None, rank=None, world_size=None, host_rank=None, key="lab
             try:
                 dist.barrier(async_op=True).wait(timedelta(seconds=seconds))
             except Exception:  # noqa: BLE001 - a peer gone: leave anyway
-                pass
+                waited_out = True
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
     if store is None or host_rank is None or not world_size or world_size < 2:
-        return
+        return waited_out
     try:
         if rank != host_rank:
             store.add(key, 1)
-            return
+            return waited_out
         deadline = _time.monotonic() + seconds
-        while store.add(key, 0) < world_size - 1 and _time.monotonic() < deadline:
+        while store.add(key, 0) < world_size - 1:
+            if _time.monotonic() >= deadline:
+                return True
             _time.sleep(0.01)
     except Exception:  # noqa: BLE001 - the store gone: nothing left to wait for
         pass
+    return waited_out
 
 
 def exit_now(code=0):
