@@ -208,3 +208,29 @@ def test_v1_group_on_this_host_holds_a_real_process_within_its_limits():
                 if os.path.isdir(folder):
                     os.rmdir(folder)
     assert not any(os.path.exists(leaf) for leaf in leaves)
+
+
+def test_a_sandbox_kernel_runs_inside_its_groups_on_this_host(tmp_path):
+    """Sandbox.start through cgroups.make_group on the real v1 hierarchies: the kernel's process
+    is in the groups, which hold the limits given; close() removes them."""
+    real_v1()
+    if not sandbox.can_isolate()[0]:
+        pytest.skip(f"no sandbox here: {sandbox.can_isolate()[1]}")
+    box = sandbox.Sandbox(str(tmp_path / "run"), limits=sandbox.Limits(memory_bytes=3 * GIB,
+                                                                     processes=300))
+    try:
+        box.start()
+        assert len(box.cgroups) == len(box.rank_cgroups) == 2, (box.cgroups, box.rank_cgroups)
+        for folder in box.cgroups + box.rank_cgroups:
+            assert cgroups.limits_of(folder) == (
+                {"memory": 3 * GIB} if "/memory/" in folder else {"pids": 300}), folder
+        result = box.execute("import os\nprint(open('/proc/self/cgroup').read())", timeout=30)
+        assert result.status == "ok", result
+        shown = "".join(o.get("text", "") for o in result.outputs)
+        for folder in box.cgroups:
+            relative = folder.split("/sys/fs/cgroup/", 1)[1].split("/", 1)[1]
+            assert f":/{relative}\n" in shown, (relative, shown)
+    finally:
+        folders = box.cgroups + box.rank_cgroups
+        box.close()
+    assert folders and not any(os.path.exists(f) for f in folders)
