@@ -20,7 +20,7 @@ returns the wrong one; tests/chapters/test_lab10_long_sequences.py runs every on
 
 Two submissions of 14 points (one wrong answer per task each), which between them fail every
 test cell of the lab while passing a sibling cell of the same task."""
-from wrong_answers import edit, swap
+from wrong_answers import swap
 
 own_part_dropped = swap(("return dq, dk_own + dk_rest, dv_own + dv_rest",
                          "return dq, dk_rest, dv_rest"))

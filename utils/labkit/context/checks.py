@@ -14,6 +14,7 @@ the balanced split); the expected values are torch autograd of one-process atten
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -25,16 +26,12 @@ TOLERANCE = {"float64": (1e-9, 1e-11), "float32": (1e-4, 1e-5)}   # (rtol, atol)
 # the block sums differs from one process's; float64 agrees to ~1e-15, float32 to ~1e-6
 
 
-def _sizes(P, batch, heads, chunk, head_dim):
-    return batch, heads, 2 * P * chunk, head_dim
-
-
 # ---- task 1: the backward pass of the balanced ring ---------------------------------------------
 
 def _backward_case(case, P, batch, heads, chunk, head_dim, dtype):
     """The whole sequence (T = 2 P chunk tokens), its attention and gradients in one process, and
     rank r's share: its tokens of q, k, v, out, lse and dout."""
-    B, H, T, d = _sizes(P, batch, heads, chunk, head_dim)
+    B, H, T, d = batch, heads, 2 * P * chunk, head_dim
     q, k, v = (case.normal((B, H, T, d), "float64") for _ in range(3))
     dout = case.normal((B, H, T, d), "float64")
     q, k, v, dout = (t.to(getattr(torch, dtype)).double() for t in (q, k, v, dout))
@@ -130,7 +127,7 @@ def check_ring_backward_traffic(world, backward, batch=1, heads=2, chunk=8, head
                      case=case, hint=_HINTS["dq"])
     P = world.size
     if world.backend != "gloo" or P == 1:
-        print(f"check_ring_backward_traffic: bytes are counted on gloo's sockets only")
+        print("check_ring_backward_traffic: bytes are counted on gloo's sockets only")
         return traffic
     framing = 2 * 8 * P * GLOO_BYTES_PER_MESSAGE + 1024
     low, high = 4 * (P - 1) * block, (4 * P - 2) * block + framing
@@ -206,13 +203,13 @@ def check_ulysses_refuses(world, ulysses, q_heads=None, kv_heads=None, batch=1, 
     """Task 2a: KV heads that P does not divide (while P divides the query heads) are refused
     with a ValueError on every rank whose message names the rank, the KV heads and P; and on the
     same ranks, first, a shape P divides is accepted (it returns an output of q's shape).
-    Defaults: kv_heads = 5 (6 at P = 4... any count P does not divide), q_heads = a multiple of
-    both."""
+    Defaults: 5 KV heads (6 at P = 4), numbers no rank id can be mistaken for, and as query heads
+    their least common multiple with P (so a check of the query heads alone does not refuse)."""
     P = world.size
     if kv_heads is None:
         kv_heads = 6 if P == 4 else 5
     if q_heads is None:
-        q_heads = kv_heads * P // __import__("math").gcd(kv_heads, P)
+        q_heads = kv_heads * P // math.gcd(kv_heads, P)
     if kv_heads % P == 0 or q_heads % P or q_heads % kv_heads:
         raise ValueError(f"check_ulysses_refuses: need P ({P}) not dividing kv_heads "
                          f"({kv_heads}) but dividing q_heads ({q_heads}), a multiple of kv_heads")
