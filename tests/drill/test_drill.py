@@ -200,6 +200,22 @@ def independent(drill_id, p):
         period = [redone(k) for k in range(1, 10 * tau + 1)]   # ten whole periods
         mean = Fraction(sum(period), len(period))
         return float(mean if p["ask"] == "boundary" else mean + Fraction(1, 2))
+    if drill_id == "cp-causal-work":                         # count the chunk pairs one by one
+        P, r = p["P"], p["rank"]
+        n = 2 if p["balanced"] else 1
+        mine = [r, 2 * P - 1 - r] if p["balanced"] else [r]
+        theirs = [c for owner in range(P) for c in ([owner, 2 * P - 1 - owner] if p["balanced"]
+                                                     else [owner])]
+        return sum(1 for a in mine for b in theirs if b <= a) / n ** 2
+    if drill_id == "ring-attention-bytes":                   # hop by hop: what leaves each step
+        block = p["B"] * p["H_kv"] * (p["T"] // p["P"]) * p["d"] * 2
+        forward = sum(2 * block for _ in range(p["P"] - 1))
+        backward = sum(4 * block for _ in range(p["P"] - 1)) + 2 * block
+        return forward + (backward if p["backward"] else 0)
+    if drill_id == "ulysses-bytes":                          # per tensor: all but my 1/P piece
+        P, t, d = p["P"], p["T"] // p["P"], p["d"]
+        pieces = [heads * t * d * 2 * (P - 1) / P for heads in (p["H"], p["H_kv"], p["H_kv"], p["H"])]
+        return sum(pieces)
     raise KeyError(f"no second derivation for drill {drill_id!r}: add one to this test")
 
 
@@ -207,7 +223,7 @@ def in_unit(problem, value):
     if problem.kind != "number":
         return value
     if problem.drill_id in ("ring-bytes", "alpha-beta-crossover", "moe-fp8",
-                            "moe-node-limited") or \
+                            "moe-node-limited", "ring-attention-bytes", "ulysses-bytes") or \
             problem.drill_id == "moe-bytes" and problem.unit != "KB" or \
             problem.drill_id == "snapshot-bytes" and problem.unit != "min":
         return value / factor(problem.unit)                    # derived in bytes

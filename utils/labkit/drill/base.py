@@ -36,7 +36,7 @@ class MissingFormula(LabkitError, LookupError):
 CHAPTERS = {0: "the lab environment", 1: "collectives", 2: "data parallelism and numerics",
             3: "memory and ZeRO", 4: "tensor parallelism", 5: "pipeline parallelism",
             6: "3D parallelism", 7: "mixture of experts", 8: "checkpoints",
-            9: "failures at scale"}
+            9: "failures at scale", 10: "long sequences"}
 COURSE = Path(__file__).resolve().parents[3] / "course"     # utils/labkit/drill -> the repository
 
 

@@ -10,7 +10,8 @@ A drill names the functions it uses by their dotted names (`labkit.collectives.r
 they are imported when a problem is posed, so a drill whose module or function is absent (an
 older copy of labkit) is skipped with the name of what it waits for. The drills of one topic live in one module: `numeric_comm.py`
 (chapters 1, 3, 4, 5), `numeric_scale.py` (chapters 6-9) and `numeric_recovery.py` (the
-decisions of chapters 8 and 9: snapshot size, a job's MTBF, steps lost).
+decisions of chapters 8 and 9: snapshot size, a job's MTBF, steps lost) and `numeric_context.py`
+(chapter 10: causal work per rank, ring attention and Ulysses bytes).
 """
 from __future__ import annotations
 
@@ -90,3 +91,4 @@ def draws(draw):
 
 
 from labkit.drill import numeric_comm, numeric_recovery, numeric_scale  # noqa: E402,F401  (they register)
+from labkit.drill import numeric_context  # noqa: E402,F401  (chapter 10's drills register)

@@ -23,11 +23,12 @@ from labkit.drill.numeric import DRILLS
 
 # topic -> chapter, in course order (the labkit topic packages)
 TOPICS = {"collectives": 1, "dp": 2, "memory": 3, "tensor_parallel": 4, "pipeline": 5,
-          "mesh": 6, "moe": 7, "checkpoint": 8, "faults": 9}
+          "mesh": 6, "moe": 7, "checkpoint": 8, "faults": 9, "context": 10}
 ALIASES = {"numerics": "dp", "bf16": "dp", "data_parallel": "dp", "zero": "memory",
            "tp": "tensor_parallel", "tensor-parallel": "tensor_parallel", "pp": "pipeline",
            "3d": "mesh", "ep": "moe", "experts": "moe", "checkpoints": "checkpoint",
-           "failures": "faults", "hangs": "faults", "all": None, "every": None}
+           "failures": "faults", "hangs": "faults", "cp": "context", "ring-attention": "context",
+           "long-context": "context", "ulysses": "context", "all": None, "every": None}
 KINDS = ("all", "numbers", "cards")
 HELP = ("Type your answer and press Enter. Commands: 'skip' (show the solution; counts as "
         "missed), 'hint' (where the course teaches it), 'topic NAME' (switch topic; 'topic all' "
