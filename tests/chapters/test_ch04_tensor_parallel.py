@@ -442,9 +442,11 @@ TASK_CELLS = {"task1_parallel_linear": ["test_task1_column", "test_task1_row"],
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, fails", [
-    # t written as 2: right at the locked WORLD_SIZE = 2, wrong at the hidden t = 3 (half_block,
-    # the same mistake in task 2, is graded in tests/grading/wrong_answers)
+    # t written as 2: right at the locked WORLD_SIZE = 2, wrong at the hidden t = 3 (half_column
+    # is graded in tests/grading/wrong_answers; half_block, the same mistake in task 2, fails
+    # both of its task's cells, so it is run here only)
     ("half_column", {"test_task1_column"}),
+    ("half_block", {"test_task2_block_values", "test_task2_block_traffic"}),
     # values without the construction: the whole weight gathered, the dense product taken
     ("dense_column", {"test_task1_column"}),
     ("dense_row", {"test_task1_row"}),
@@ -453,7 +455,7 @@ TASK_CELLS = {"task1_parallel_linear": ["test_task1_column", "test_task1_row"],
     ("narrow_gather", {"test_task3_ce_values"}),
     # a stated requirement: an MLP width t does not divide refused even when the heads are
     ("heads_only", {"test_task2_block_values"}),
-    # the count of collectives, and a backward that communicates
+    # the count of collectives (graded), and a backward that communicates
     ("block_twice", {"test_task2_block_traffic"}),
     ("recompute_in_backward", {"test_task3_ce_traffic"}),
 ])

@@ -5,8 +5,12 @@ submissions of WRONG carry one per task, graded with `labkit grade` at their exa
 
     twice_is_t      task 1: ColumnParallelLinear's shard written as out // 2 (the locked t):
                             fails test_task1_column (at t = 3)
-                    task 2: tp_block's head size as width // (heads // 2): fails both task-2
-                            cells (the hidden t = 3 block and its traffic)
+                    task 2: tp_block's f all-reduces its input in forward too ("make sure
+                            every rank has the same input": x / t summed, right values): twice
+                            Megatron's bytes in forward, within the values cell's bound of three
+                            times, so it fails test_task2_block_traffic only (the same t = 2
+                            mistake in task 2, half_block, fails both task-2 cells and is run by
+                            the chapter test alone)
                     task 3: the loss's backward recomputes the softmax from the saved logits
                             and max, and so reduces the sum again (four reductions of N in
                             all, within the old bound): fails test_task3_ce_traffic
@@ -140,12 +144,13 @@ def _answers(*names):
     return {EDITS[name][0]: (lambda source, name=name: edited(name, source)) for name in names}
 
 
-# 18 points: 3 per test cell. twice_is_t loses the column cell (3), both task-2 cells (6) and the
-# loss's traffic cell (3); dense_shortcuts the row cell, the block's values and the loss's values.
+# 18 points: 3 per test cell. twice_is_t loses the column cell (3), the block's traffic cell (3)
+# and the loss's traffic cell (3); dense_shortcuts the row cell, the block's values and the loss's
+# values.
 WRONG = {
-    "twice_is_t": (_answers("half_column", "half_block", "recompute_in_backward"), None, 6),
+    "twice_is_t": (_answers("half_column", "block_twice", "recompute_in_backward"), None, 9),
     "dense_shortcuts": (_answers("dense_row", "small_dense_block", "narrow_gather"), None, 9),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)
-UNCOVERED = ['test_task2_block_traffic']
+UNCOVERED = []
