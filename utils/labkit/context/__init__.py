@@ -55,7 +55,8 @@ def attention(q, k, v, causal: bool = False, q_pos=None, k_pos=None):
     if causal:
         qp = torch.arange(q.shape[-2]) if q_pos is None else q_pos
         kp = torch.arange(k.shape[-2]) if k_pos is None else k_pos
-        scores = scores.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+        hidden = (kp[None, :] > qp[:, None]).to(scores.device)     # positions may live on the CPU
+        scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                           # [B, H, Tq]
     weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return weights @ v, lse
