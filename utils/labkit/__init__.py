@@ -17,7 +17,7 @@ __all__ = ["world", "World", "current", "shutdown_all", "device", "mark", "Labki
 
 # One module per chapter topic, in course order (see README.md beside this file).
 TOPICS = ("collectives", "dp", "memory", "tensor_parallel", "pipeline", "mesh", "moe", "checkpoint",
-          "faults", "drill")
+          "faults", "context", "drill")
 
 
 def __getattr__(name):
