@@ -186,3 +186,24 @@ def test_each_wrong_answer_loses_exactly_its_cells(grade_id, name, lost):
     wrong = getattr(WRONG10, name)(lab_notebooks.answer(LAB, grade_id))
     outcome = lab_notebooks.run_lab(LAB, TASK_CELLS[grade_id], {grade_id: wrong})
     assert {cell for cell, error in outcome.items() if error is not None} == lost, (name, outcome)
+
+
+def test_task3_visible_cases_pass_from_expected_json_in_the_student_copy(monkeypatch):
+    """The student copy has no labkit.grading: check_cp_bytes/check_cp_memory read the visible
+    cp > 1 case from labs/<lab>/expected.json (what reference.released() writes) and compute the
+    cp = 1 case from chapter 6's model; a wrong dp term still fails there."""
+    from labkit import released
+    table = reference.released()
+    monkeypatch.setattr(released, "reference", lambda name: None)
+    monkeypatch.setattr(released, "load", lambda lab: table)
+    model, config, batch, recompute = reference.visible_cases()[0]
+    model = Model(**model)
+    for check in (checks.check_cp_bytes, checks.check_cp_memory):
+        check(REF["predict_cp_step"], model, config, batch, recompute)
+        check(REF["predict_cp_step"], model, dict(config, cp=1, dp=8), 4 * batch, recompute)
+
+    def dp_alone(model, config, global_batch, recompute="full"):
+        got = REF["predict_cp_step"](model, config, global_batch, recompute)
+        return dict(got, bytes=dict(got["bytes"], dp=got["bytes"]["dp"] / 2))
+    with pytest.raises(AssertionError, match="dp"):
+        checks.check_cp_bytes(dp_alone, model, config, batch, recompute)

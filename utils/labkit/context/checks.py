@@ -106,8 +106,9 @@ def check_ring_backward(world, backward, batch=1, heads=2, chunk=8, head_dim=16,
                     f"rank {rank} sent {traffic.sent[rank]} bytes during the backward pass; the "
                     f"ring sends at most (4P - 2) = {4 * P - 2} blocks of {block} bytes (K and V "
                     f"P - 1 times, dK and dV at most P times) = {(4 * P - 2) * block} [{case}]. "
-                    "Pass K, V and the dK, dV accumulators around the ring; do not gather q, out "
-                    "or dout")
+                    "Pass K, V and the dK, dV accumulators around the ring, one block a step: "
+                    "gathering K and V (or q, out, dout) with collectives and reducing the "
+                    "gradients with them sends more")
     return traffic
 
 
