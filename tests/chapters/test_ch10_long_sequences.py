@@ -36,9 +36,10 @@ def _notebook_functions(*names) -> dict:
     found = set()
     for cell in cells:
         source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and any(source.startswith(f"def {n}(") for n in names):
+        defines = [n for n in names if f"def {n}(" in source or f"class {n}(" in source]
+        if cell["cell_type"] == "code" and source.startswith(("def ", "class ")) and defines:
             exec(compile(source, str(NOTEBOOK), "exec"), namespace)
-            found.update(n for n in names if f"def {n}(" in source)
+            found.update(defines)
     missing = set(names) - found
     if missing:
         raise AssertionError(f"the chapter has no code cell defining {sorted(missing)}")
@@ -46,7 +47,8 @@ def _notebook_functions(*names) -> dict:
 
 
 CELLS = _notebook_functions("merge", "ring_attention", "ring_attention_backward",
-                            "ulysses_attention")
+                            "ulysses_attention", "RingAttention", "attention_layer", "five_d_step",
+                            "tp_columns")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -194,6 +196,28 @@ def test_ulysses_refuses_heads_p_does_not_divide_with_rank_counts_and_fix(world)
     assert "ring attention" in message                       # the fix
     good = _qkv(2 * P, heads=P, kv_heads=P)                  # and good input is accepted after it
     assert len(world.run(_ulysses, good, False)) == P
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 2), (1, 3, 2)])
+def test_the_chapters_dp_cp_tp_step_equals_one_process(dims):
+    dp, cp, tp = dims
+    world = labkit.world(dp * cp * tp, teaching=False, timeout=60)
+    generator = torch.Generator().manual_seed(sum(dims))
+    B, T, h, heads, d = 2 * dp, 4 * cp, 8, 2 * tp, 4
+    case = {"x": torch.randn(B, T, h, generator=generator, dtype=torch.float64),
+            "grad_y": torch.randn(B, T, h, generator=generator, dtype=torch.float64),
+            "w_qkv": torch.randn(h, 3 * heads * d, generator=generator, dtype=torch.float64) / 4,
+            "w_o": torch.randn(heads * d, h, generator=generator, dtype=torch.float64) / 4,
+            "heads": heads, "head_dim": d}
+    results = world.run(CELLS["five_d_step"], case, dims)
+    w_qkv, w_o = (case[name].clone().requires_grad_(True) for name in ("w_qkv", "w_o"))
+    (CELLS["attention_layer"](case["x"], w_qkv, w_o, heads) * case["grad_y"]).sum().backward()
+    mine = heads // tp * d
+    for rank, (grad_qkv, grad_o) in enumerate(results):
+        tp_rank = rank % tp
+        columns = CELLS["tp_columns"](heads, d, tp, tp_rank)
+        torch.testing.assert_close(grad_qkv, w_qkv.grad[:, columns], **TOL)
+        torch.testing.assert_close(grad_o, w_o.grad[tp_rank * mine:(tp_rank + 1) * mine], **TOL)
 
 
 # ---- labkit.context's formulas ------------------------------------------------------------------
