@@ -212,6 +212,7 @@ class World:
     # -- start and stop -------------------------------------------------------------------
     def _start(self):
         generation = next(_GENERATION)
+        self.generation = generation   # these ranks' start: what they were given is theirs
         threads = max(1, (os.cpu_count() or 1) // self.size)
         width = len(str(self.size - 1))
         for rank in range(self.size):
