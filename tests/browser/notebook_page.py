@@ -5,6 +5,7 @@
     nb.run_all(); nb.wait_executed(timeout_s=60)
     nb.outputs(3)                       # [(mime type, visible text), ...] of the 4th cell
     nb.add_cell_and_run("%%ranks\\nprint(rank)")
+    nb.type_ranks_cell()                # RANKS_CELL: an all_reduce, one checked line per rank
 
 Every wait is bounded; the selectors are the ones measured in shared/notes/browser-testing.md.
 """
@@ -24,6 +25,14 @@ STDERR = "application/vnd.jupyter.stderr"         # errors and tracebacks render
 NOTICES = ("labkit: restarting the world",)
 
 
+# A cell a student types to see the ranks at work: a real all_reduce on every rank of the world.
+RANKS_CELL = ("%%ranks\n"
+              "x = torch.ones(1)\n"
+              "dist.all_reduce(x)\n"
+              'print(f"rank {rank} of {world_size}: all_reduce gave {int(x.item())}")')
+RANK_LINE = re.compile(r"rank (\d+) of (\d+): all_reduce gave (\d+)")
+
+
 def error_outputs(outputs: list[tuple[str, str]]) -> list[str]:
     """Outputs shown as errors (tracebacks, stderr), except labkit's known notices."""
     return [t for m, t in outputs if m == STDERR and not t.startswith(NOTICES)]
@@ -41,6 +50,48 @@ class NotebookPage:
         self.panel.wait_for(timeout=timeout_s * 1000)
         self.wait_kernel_idle(timeout_s)
 
+    def open_lab(self, timeout_s: float = 60) -> None:
+        """Loads Lab without a document: the page then opens notebook after notebook with
+        open_from_path, paying Lab's start in the browser once."""
+        self.page.goto(self.server.url("lab"))
+        self._menu("File").wait_for(timeout=timeout_s * 1000)
+
+    def open_from_path(self, path: str, timeout_s: float = 60) -> None:
+        """File > Open from Path...: opens a notebook in the Lab already loaded here (close the
+        one before with close_notebook: `panel` is the notebook in front)."""
+        self._menu("File").click()
+        self.page.locator("li[data-command='filebrowser:open-path']").click()
+        dialog = self.page.locator(".jp-Dialog")
+        dialog.locator("input").fill(path)
+        dialog.locator(".jp-mod-accept").click()
+        self.panel.locator(".jp-CodeCell").first.wait_for(timeout=timeout_s * 1000)
+        deadline = time.monotonic() + timeout_s
+        while not self._has_kernel(path):       # its own kernel, not the status of the one before
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no kernel session for {path} after {timeout_s} s")
+            time.sleep(0.1)
+        self.wait_kernel_idle(max(1.0, deadline - time.monotonic()))
+
+    def _has_kernel(self, path: str) -> bool:
+        sessions = self.server.api("GET", "api/sessions")
+        return any(s["path"] == path and s.get("kernel") for s in sessions)
+
+    def close_notebook(self, timeout_s: float = 15) -> None:
+        """File > Close Tab on the notebook in front, discarding its changes when Lab asks."""
+        self._menu("File").click()
+        self.page.locator("li[data-command='application:close']").click()
+        discard = self.page.locator(".jp-Dialog .jp-mod-warn")   # "Save your work": Discard
+        deadline = time.monotonic() + timeout_s
+        while self.panel.count():
+            if discard.count():
+                discard.click()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the notebook tab did not close within {timeout_s} s")
+            time.sleep(0.1)
+
+    def _menu(self, label: str):
+        return self.page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(rf"^{label}$"))
+
     def kernel_status(self) -> str:
         texts = self.page.locator(STATUS_TEXT).all_inner_texts()
         return next((t for t in texts if " | " in t), "")
@@ -56,7 +107,7 @@ class NotebookPage:
 
     # -- running ---------------------------------------------------------------------------------
     def run_all(self) -> None:
-        self.page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        self._menu("Run").click()
         self.page.locator("li[data-command='runmenu:run-all']").click()  # unique, unlike the name
 
     def prompts(self) -> list[str]:
@@ -127,6 +178,21 @@ class NotebookPage:
         self.wait_executed(timeout_s, cells=[index])
         return index
 
+    def type_ranks_cell(self, timeout_s: float = 60) -> tuple[int, int]:
+        """Types RANKS_CELL below the last cell and runs it; asserts that it shows no error and one
+        line from each rank of the current world, each with the sum P. Returns (cell, P)."""
+        cell = self.add_cell_and_run(RANKS_CELL, timeout_s=timeout_s)
+        assert error_outputs(self.outputs(cell)) == [], (
+            f"the %%ranks cell shows an error:\n{self.text(cell)}")
+        lines = self.rank_lines(cell)
+        first = RANK_LINE.fullmatch(lines.get(0, [""])[0])
+        assert first, f"no line from rank 0 in the %%ranks cell; it shows:\n{self.text(cell)}"
+        size = int(first.group(2))
+        expected = {r: [f"rank {r} of {size}: all_reduce gave {size}"] for r in range(size)}
+        assert lines == expected, (f"expected one labelled line from each of {size} ranks, each "
+                                   f"with the sum {size}; the cell shows:\n{self.text(cell)}")
+        return cell, size
+
     # -- reading ---------------------------------------------------------------------------------
     def code_cell(self, index: int):
         cells = self.panel.locator(".jp-CodeCell")
@@ -167,9 +233,10 @@ class NotebookPage:
                 return i
         raise LookupError(f"no code cell contains {text!r}")
 
-    def kernel_id(self) -> str:
-        """The running kernel of this notebook, from Lab's sessions API."""
-        path = re.search(r"/lab/tree/([^?]+)", self.page.url).group(1)
+    def kernel_id(self, path: str | None = None) -> str:
+        """The running kernel of this notebook (of `path`: default the page's address), from
+        Lab's sessions API."""
+        path = path or re.search(r"/lab/tree/([^?]+)", self.page.url).group(1)
         for s in self.server.api("GET", "api/sessions"):
             if s["path"] == path and s.get("kernel"):
                 return s["kernel"]["id"]

@@ -1,5 +1,5 @@
 """Scenarios 1 and 5 of the student's JupyterLab flow, on the real course files: Run All on the
-chapter 0 and chapter 1 notebooks, and nbgrader's Validate on the student copy of lab 0, before and
+chapter 0 and chapter 1 notebooks (then a typed `%%ranks` cell), and nbgrader's Validate on the student copy of lab 0, before and
 after the answers.
 
     .venv/bin/pytest tests/browser/test_chapters.py -v
@@ -35,7 +35,10 @@ def test_run_all_chapters(nb, lab, browser, shot):
     time is spent waiting: a hang's timeout, kernel and world starts). Each runs every cell
     without an error output and shows a world call's lines labelled by rank. Every plot renders as
     an image and every widget responds to input; chapter 1 must have both (chapter 0, the lab
-    environment, has a plot and no widget)."""
+    environment, has a plot and no widget). Then a student makes a world again (each chapter
+    closes its own at the end) and types a `%%ranks` cell (chapter 1 never runs
+    `%load_ext labkit`): each rank's line shows. test_every_notebook.py
+    covers the other notebooks' setup cells and leaves these two to this test."""
     from notebook_page import NotebookPage
     needs(CHAPTER)
     needs(CHAPTER1)
@@ -51,6 +54,10 @@ def test_run_all_chapters(nb, lab, browser, shot):
             page.wait_run_all(max(1.0, deadline - time.monotonic()))
             page.wait_kernel_idle(30)   # widgets and late display updates come after the prompt
             widget_problems += check_chapter(page, shot, name, path, needs_plot_and_widget)
+            # a chapter ends with world.close(): the student makes a world again, then %%ranks
+            page.add_cell_and_run("world = labkit.world(WORLD_SIZE, backend=BACKEND)", 60)
+            cell, _ = page.type_ranks_cell()
+            shot(f"{name}-ranks-typed", page.code_cell(cell))
     except BaseException:
         shot("FAILED-ch1-tab", second.panel)   # the fixture saves the first tab only
         raise
