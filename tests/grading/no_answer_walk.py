@@ -60,6 +60,12 @@ TASKS = {
         "async_interval": ["(2.0, 0.0, 3600.0), {}", "(3.0, 10.0, 5000.0), {}"],
     },
     "lab09_failures_at_scale": {"validate_resume": ["(SNAP, RUN), {}"]},
+    "lab10_long_sequences": {
+        "predict_cp_step": ["(Model('m', layers=32, hidden=4096, heads=32, seq=32768, vocab=51200), "
+                            "{'dp': 2, 'cp': 4, 'tp': 2, 'pp': 2, 'zero_stage': 1, 'microbatches': 4}, 16), {}",
+                            "(Model('m', layers=16, hidden=2048, heads=16, seq=49152, vocab=32000), "
+                            "{'dp': 1, 'cp': 3, 'tp': 4, 'pp': 2, 'zero_stage': 3, 'microbatches': 2}, 8, 'none'), {}"],
+    },
 }
 PRELUDE = """
 import dataclasses

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 RELEASED = {"lab06_3d_parallelism": "mesh", "lab08_checkpoints": "checkpoint",
-            "lab09_failures_at_scale": "faults"}
+            "lab09_failures_at_scale": "faults", "lab10_long_sequences": "context"}
 
 
 def expected(lab: str) -> dict | None:
