@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lab_notebooks
 import labkit
 from labkit import checks as base_checks
 from labkit.checkpoint import (CheckpointError, bench, checks, checks_async, checks_resume, crash,
@@ -275,6 +276,7 @@ def wrong(grade_id, base_ns, *replacements):
 
 
 TASK1 = "task1_collect"
+WRONG8 = lab_notebooks.wrong_answers(LAB)     # the graded wrong answers (tests/grading)
 TASK1_CHECKS = ("retention", "crash", "leases")       # one test cell each
 WRONG_TASK1 = {
     # name: (the one check it fails, message, replacements)
@@ -285,9 +287,8 @@ WRONG_TASK1 = {
                                  "            if not all(os.path.getsize(os.path.join(folder, e["
                                  "'path'])) == e['bytes'] for e in m['shards']):\n"
                                  "                raise ValueError('a shard has the wrong size')")]),
-    "keeps the newest published ids, verified or not": (
-        "retention", "newest", [("            store.verify(folder, sid)                # sizes "
-                                 "and SHA-256 of every shard", "            pass")]),
+    "keeps the newest published ids, verified or not": (          # graded, with "ignores leases"
+        "retention", "newest", [WRONG8.UNVERIFIED]),
     "leaves what killed saves leave": (
         "retention", "not collected", [("            os.unlink(path)                          # a "
                                         "killed save's temporary manifest", "            pass"),
@@ -299,9 +300,7 @@ WRONG_TASK1 = {
                                       "    for sid in gone:\n"
                                       "        shutil.rmtree(os.path.join(folder, sid), "
                                       "ignore_errors=True)\n")]),
-    "ignores leases": (
-        "leases", "lease", [("    kept = set(verified[-keep:]) | leased",
-                             "    kept = set(verified[-keep:])")]),
+    "ignores leases": ("leases", "lease", [WRONG8.IGNORES_LEASES]),
 }
 
 

@@ -19,8 +19,14 @@ checkers the test cells call and asserts the checks it fails:
     durable_at_the_copy    task 4  loses test_task4_simulate (3): a snapshot counted durable when
                                    its copy ends, not when its write does
     write_never_matters    task 4  loses test_task4_interval (2): sqrt(2 stall M) whatever the write
+    unverified_and_leases  task 1  loses test_task1_retention (4) and test_task1_leases (3), keeps
+                                   test_task1_crash_trials: two mistakes in one collect, each of
+                                   which the chapter test runs alone (UNVERIFIED: the newest
+                                   `keep` published snapshots kept, none verified, so a flipped
+                                   byte or a cut shard stays and a good older one goes;
+                                   IGNORES_LEASES: a reader's lease protects nothing)
 
-Two submissions of 27 points (one wrong answer per task each)."""
+Three submissions of 27 points (one wrong answer per task each)."""
 from wrong_answers import edit
 
 
@@ -76,6 +82,16 @@ def write_never_matters(source: str) -> str:
                     "    return math.sqrt(2 * stall * mtbf)")
 
 
+# (old, new) edits of task 1's solution, shared with tests/chapters/test_ch08_checkpoints.py
+UNVERIFIED = ("            store.verify(folder, sid)                # sizes and SHA-256 of every "
+              "shard", "            pass                                     # published = good")
+IGNORES_LEASES = ("    kept = set(verified[-keep:]) | leased", "    kept = set(verified[-keep:])")
+
+
+def unverified_and_leases(source: str) -> str:
+    return edit(edit(source, *UNVERIFIED), *IGNORES_LEASES)
+
+
 WRONG = {
     "wrong_task1_nothing_task2_replay_task3_one_set_task4_young": (
         {"task1_collect": removes_nothing, "task2_zero1_resume": replays_from_zero,
@@ -85,7 +101,9 @@ WRONG = {
         {"task1_collect": shards_first, "task2_zero1_resume": own_range_only,
          "task3_async_checkpointer": copies_in_the_writer, "task4_interval": durable_at_the_copy},
         None, POINTS - 3 - 3 - 3 - 3),
+    "wrong_task1_unverified_no_leases": ({"task1_collect": unverified_and_leases}, None,
+                                         POINTS - 4 - 3),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)
-UNCOVERED = ['test_task1_retention', 'test_task1_leases']
+UNCOVERED = []
