@@ -197,7 +197,8 @@ def test_v1_group_on_this_host_holds_a_real_process_within_its_limits():
         cgroups.join(leaves, pid=child.pid)
         with open(f"/proc/{child.pid}/cgroup") as f:
             lines = f.read()
-        assert f"memory:/labkit-grading/{run}/s" in lines and f"pids:/labkit-grading/{run}/s" in lines
+        assert f"memory:/labkit-grading/{run}/s" in lines, lines
+        assert f"pids:/labkit-grading/{run}/s" in lines, lines
     finally:
         child.kill()
         child.wait()

@@ -1,4 +1,4 @@
-"""Memory and process limits for a whole submission: cgroup v1 or cgroup v2, whichever this host has.
+"""Memory and process limits for a whole submission: cgroup v1 or v2, whichever this host has.
 
     found = detect()                 # Cgroups(version=1 or 2 or None, bases={...}, why="...")
     leaf = make_group(found, "labkit-grading/<run>/<name>", memory_bytes=4 << 30, processes=512)
@@ -80,8 +80,9 @@ def detect(root: str | None = None, v2_base: str | None = None, can_write=None) 
     v1 = {c: os.path.join(root, c) for c in CONTROLLERS
           if os.path.isfile(os.path.join(root, c, "cgroup.procs"))}
     unified = os.path.join(root, "unified", "cgroup.controllers")
-    hybrid = (f" (a hybrid host: the cgroup2 mount at {os.path.dirname(unified)} has controllers "
-              f"[{_read(unified).strip()}], not memory and pids)" if os.path.isfile(unified) else "")
+    hybrid = "" if not os.path.isfile(unified) else (
+        f" (a hybrid host: the cgroup2 mount at {os.path.dirname(unified)} has controllers "
+        f"[{_read(unified).strip()}], not memory and pids)")
     if len(v1) == len(CONTROLLERS):
         if all(can_write(p) for p in v1.values()):
             return Cgroups(1, v1, f"cgroup v1: memory and pids hierarchies at {root}{hybrid}")
@@ -167,7 +168,8 @@ def join(folders: list[str], pid: int | None = None) -> None:
 def limits_of(folder: str) -> dict:
     """The limits a group's files hold now, read back ({"memory": bytes or "max", "pids": ...})."""
     out = {}
-    for key, names in (("memory", ("memory.max", "memory.limit_in_bytes")), ("pids", ("pids.max",))):
+    files = (("memory", ("memory.max", "memory.limit_in_bytes")), ("pids", ("pids.max",)))
+    for key, names in files:
         for name in names:
             text = _read(os.path.join(folder, name)).strip()
             if text:
