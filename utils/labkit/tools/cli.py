@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "release": ("labkit.tools.release", "regenerate labs/ from solutions/ (or --check that they agree)"),
     "torchrun": ("labkit.runtime.torchrun", "run a module:function on ranks started by torchrun (env://)"),
     "grade": ("labkit.grading.cli", "autograde a folder of submissions of a lab (docs/INSTRUCTORS.md)"),
+    "regrade": ("labkit.grading.regrade", "grade a lab again after a test was fixed: manual "
+                "grades kept, the students whose score changed listed (docs/INSTRUCTORS.md)"),
     "dist": ("labkit.tools.dist", "build the student distribution (no solutions, hidden tests, gradebook)"),
     "drill": ("labkit.drill.terminal", "the interview drill: the chapters' derivations with fresh "
               "numbers, seed 004's questions as cards, Leitner boxes"),
