@@ -145,6 +145,32 @@ def test_checkers_accept_the_reference_and_reject_a_diagnoser_naming_the_slowest
         checks.check_no_alarm(world, lambda trace: [None, None, None], seed=16)
 
 
+def test_renamed_traces_move_the_fault_and_catch_a_detector_that_skips_rank_0():
+    """Issue 26, class 4: each sensitivity check also judges its real trace with the ranks (the
+    experts) renamed, so that every one of them is the faulty one once; a detector that never
+    looks at rank 0, or names a constant expert, then fails whatever rank the run drew."""
+    trace = traces.skew_clocks({"world_size": 3, "steps": 6, "ranks": [
+        {"rank": r, "step_start": [s * 0.1 for s in range(6)],
+         "step_end": [s * 0.1 + 0.05 for s in range(6)],
+         "collectives": [{"seq": s + 1, "op": "all_reduce", "step": s, "what": "grads",
+                          "enter": s * 0.1 + (0.04 if r == 1 else 0.004),
+                          "leave": s * 0.1 + 0.045} for s in range(6)],
+         "expert_tokens": [[10, 10, 50, 10] for _ in range(6)]} for r in range(3)]}, 0.5)
+    assert REF["diagnose"](trace) == {"straggler": 1, "missing": None, "hot_expert": 2}
+    for shift in (1, 2):
+        assert REF["diagnose"](checks.relabel_ranks(trace, shift))["straggler"] == (1 + shift) % 3
+        assert REF["diagnose"](checks.relabel_experts(trace, shift))["hot_expert"] == (2 + shift) % 4
+    renamed = checks.relabel_ranks(trace, 2)
+    assert [r["rank"] for r in renamed["ranks"]] == [0, 1, 2]
+    assert renamed["ranks"][0]["step_start"] == trace["ranks"][1]["step_start"]   # its own clock
+
+    def skips_rank_0(trace):                   # rank 0's record never read
+        return REF["diagnose"](dict(trace, ranks=trace["ranks"][1:]))
+    world = labkit.world(3, backend="gloo", teaching=False)
+    with pytest.raises(AssertionError, match="missing = None, expected 0"):
+        checks.check_missing(world, skips_rank_0, seed=12)     # on the run, or once renamed
+
+
 # ---- the spike guard on real ranks ------------------------------------------------------------
 
 class _NeverFires(REF["SpikeGuard"]):
@@ -464,6 +490,12 @@ def lab9_wrong(grade_id, *replacements):
     return {grade_id: source}
 
 
+def _graded(grade_id, name):
+    """The solution's answer cell `grade_id` made wrong by the graded wrong answer `name`."""
+    wrong = getattr(lab_notebooks.wrong_answers(LAB), name)
+    return {grade_id: wrong(lab_notebooks.answer(LAB, grade_id))}
+
+
 DIAGNOSE_RETURN = '    return {"straggler": straggler, "missing": missing, "hot_expert": hot}'
 NEVER_FIRES_DIAGNOSE = [(DIAGNOSE_RETURN,
                          '    return {"straggler": None, "missing": None, "hot_expert": None}')]
@@ -476,32 +508,17 @@ WRONG_LAB9 = {
         lab9_wrong("task1_diagnose", ("hot = detect.hot_expert(total)",
                                       "hot = detect.hot_expert(total, ratio=1.0)")),
         {"test_task1_no_alarm"}),
-    "never names a straggler": (
-        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
-            '"straggler": straggler', '"straggler": None'))), {"test_task1_straggler"}),
-    "never names a missing rank": (
-        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
-            '"missing": missing', '"missing": None'))), {"test_task1_missing"}),
-    "never names a hot expert": (
-        lab9_wrong("task1_diagnose", (DIAGNOSE_RETURN, DIAGNOSE_RETURN.replace(
-            '"hot_expert": hot', '"hot_expert": None'))), {"test_task1_hot_expert"}),
+    # the graded ones (tests/grading/wrong_answers/lab09_failures_at_scale.py), each alone
+    "the straggler rule on step times (every rank waits for the slowest)": (
+        _graded("task1_diagnose", "straggler_by_step_time"), {"test_task1_straggler"}),
+    "names a rank that hangs in the collective, not the one that never came": (
+        _graded("task1_diagnose", "missing_is_the_stuck"), {"test_task1_missing"}),
+    "hot only above half the tokens (the text says 40-60%)": (
+        _graded("task1_diagnose", "hot_over_half"), {"test_task1_hot_expert"}),
+    "redoes every step above 1.5x once, in case it was transient": (
+        _graded("task2_spike_guard", "retries_moderate_rises"), {"test_task2_clean_stream"}),
     "never fires at all (no false alarm, no use)": (
         lab9_wrong("task1_diagnose", *NEVER_FIRES_DIAGNOSE), set(TASK1_CELLS)),
-    "retries every step above 1.5x once (false alarms undone exactly, but alarms)": (
-        lab9_wrong("task2_spike_guard", ("        norm = stats[\"grad_norm\"]\n",
-                                         "        norm = stats[\"grad_norm\"]\n"
-                                         "        self.retried = getattr(self, 'retried', set())\n"
-                                         "        if batch_id not in self.retried and "
-                                         "detect.window_spike(self.history, norm, factor=1.5) "
-                                         "and not detect.window_spike(self.history, norm, "
-                                         "factor=detect.SPIKE_FACTOR):\n"
-                                         "            self.retried.add(batch_id)\n"
-                                         "            back, state, history = self.good\n"
-                                         "            spikes.restore(self.model, self.optimizer, "
-                                         "state)\n"
-                                         "            self.history = list(history)\n"
-                                         "            return back\n")),
-        {"test_task2_clean_stream"}),
     "snapshots before checking the step (a spike on the schedule is saved)": (
         lab9_wrong("task2_spike_guard",
                    ("        norm = stats[\"grad_norm\"]\n",

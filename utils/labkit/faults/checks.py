@@ -12,6 +12,12 @@ Task 1: the traces are runs of real ranks with the faults each case draws (trace
 the ranks sleep, skip a collective or route their tokens, at the points the case chose); only the
 trace, as plain data, reaches `diagnose`. The clocks of the ranks are skewed by up to a second
 (as on machines of a cluster), so only differences of times within one rank mean anything.
+Each sensitivity check (straggler, missing rank, hot expert) also judges its real trace renamed
+so that every rank (expert) is the faulty one once (`relabel_ranks`, `relabel_experts`): a
+detector that names a constant rank or never reads one rank's record would pass one random draw
+with probability 1/P (three draws at P = 2: 1/8); renamed, it fails with probability 1. The
+healthy runs (specificity) each hold 2-4 pauses of 0.15-0.3 s, longer than a straggler's 0.15 s
+sleep, on ranks the case draws.
 Task 2: the student's class is built on every rank by the rank program `guarded_stream` (the loop
 of `spikes.guarded_train`), which is handed only what a training loop has: its rows of the stream's
 batches, as tokens. The plan (which ids are bad or hard) and every expected value stay in the
@@ -143,48 +149,98 @@ def with_hot_expert(trace, hot, experts=8):
     return dict(trace, ranks=ranks)
 
 
+def relabel_ranks(trace, shift):
+    """The same trace with rank r renamed (r + shift) mod P (its record, clock and all, moved to
+    that place in `ranks`): the run where the other rank had the fault. A diagnosis that looks
+    at the data, not at the rank numbers, is the same up to the renaming."""
+    size = trace["world_size"]
+    ranks = sorted((dict(r, rank=(r["rank"] + shift) % size) for r in trace["ranks"]),
+                   key=lambda r: r["rank"])
+    return dict(trace, ranks=ranks)
+
+
+def relabel_experts(trace, shift):
+    """The same trace with expert e renamed (e + shift) mod E in every step's loads."""
+    ranks = []
+    for r in trace["ranks"]:
+        loads = r.get("expert_tokens")
+        if loads is not None:
+            loads = [[row[(e - shift) % len(row)] for e in range(len(row))] for row in loads]
+        ranks.append(dict(r, expert_tokens=loads))
+    return dict(trace, ranks=ranks)
+
+
+def _every_renaming(diagnose, trace, key, faulty, count, relabel, case, what, hints):
+    """Sensitivity over every rank (or expert), on the same real run (issue 26, class 4): the
+    trace renamed so that each of the `count` ranks (experts) in turn is the faulty one. One real
+    run with a random faulty rank would let a detector that names a constant rank, or ignores
+    one, pass with probability 1/P per run (1/8 at P = 2 over three runs); renamed, it fails
+    with probability 1."""
+    kind = "expert" if key == "hot_expert" else "rank"
+    for shift in range(1, count):
+        expected = dict.fromkeys(KEYS)
+        expected[key] = (faulty + shift) % count
+        renamed = (f"{what}, the same trace with every {kind} i renamed (i + {shift}) mod "
+                   f"{count}: the fault is now {kind} {expected[key]}'s")
+        _expect(_verdict(diagnose, relabel(trace, shift), case, renamed), expected, case,
+                renamed, hints)
+
+
 def check_straggler(world, diagnose, steps=12, delay=0.2, hiccups=1, seed=None):
     """One rank sleeps `delay` s in every step from a step the case draws (in the first third);
-    a few hiccups elsewhere. Expected: that rank, nothing else."""
+    a few hiccups elsewhere. Expected: that rank, nothing else; and the same trace with its ranks
+    renamed, P times, so that every rank is the straggler once (a constant answer, or one that
+    never looks at some rank, fails with probability 1, not 1 - 1/P)."""
     case = base.Case(f"{TASK1}: a straggler among {world.size} ranks", seed)
     slow, start = case.integer(0, world.size - 1), case.integer(0, steps // 3)
     trace = traces.record_run(world, steps=steps, straggler=slow, delay=delay, delay_from=start,
                               hiccups=_hiccups(case, world.size, steps, hiccups),
                               seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
+    what = f"rank {slow} sleeps {delay} s before its collective in steps {start}..{steps - 1}"
     got = _verdict(diagnose, trace, case, f"a run where rank {slow} is slow")
-    _expect(got, {"straggler": slow, "missing": None, "hot_expert": None}, case,
-            f"rank {slow} sleeps {delay} s before its collective in steps {start}..{steps - 1}",
-            HINTS)
+    _expect(got, {"straggler": slow, "missing": None, "hot_expert": None}, case, what, HINTS)
+    _every_renaming(diagnose, trace, "straggler", slow, world.size, relabel_ranks, case, what,
+                    HINTS)
     return got
 
 
 def check_missing(world, diagnose, steps=10, timeout=3.0, seed=None):
     """One rank stops before the collective of a step the case draws; the others wait in it and
-    give up after `timeout` s. Expected: that rank is missing, nobody is a straggler."""
+    give up after `timeout` s. Expected: that rank is missing, nobody is a straggler; and so for
+    the same trace with its ranks renamed so that every rank is the missing one once (a check
+    that leaves out rank 0, or names a constant rank, fails with probability 1)."""
     case = base.Case(f"{TASK1}: a rank that never joins a collective, {world.size} ranks", seed)
     rank, step = case.integer(0, world.size - 1), case.integer(steps // 2, steps - 1)
     trace = traces.record_run(world, steps=steps, skip=(rank, step), timeout=timeout,
                               seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
     got = _verdict(diagnose, trace, case, f"a run where rank {rank} skips step {step}'s "
                                           "collective")
-    _expect(got, {"straggler": None, "missing": rank, "hot_expert": None}, case,
-            f"rank {rank} never joins step {step}'s all-reduce (the others time out in it)",
-            dict(HINTS, straggler="the ranks that waited in the last collective and the rank that "
-                 "never came are not stragglers: leave out steps that did not finish. "
-                 + HINTS["straggler"]))
+    what = f"rank {rank} never joins step {step}'s all-reduce (the others time out in it)"
+    hints = dict(HINTS, straggler="the ranks that waited in the last collective and the rank "
+                 "that never came are not stragglers: leave out steps that did not finish. "
+                 + HINTS["straggler"])
+    _expect(got, {"straggler": None, "missing": rank, "hot_expert": None}, case, what, hints)
+    _every_renaming(diagnose, trace, "missing", rank, world.size, relabel_ranks, case, what,
+                    hints)
     return got
 
 
-def check_hot_expert(world, diagnose, steps=6, experts=8, seed=None):
-    """About 40-60% of every rank's tokens go to one expert the case draws (top-1 routing over
-    `experts`). Expected: that expert, nothing else."""
+def check_hot_expert(world, diagnose, steps=6, experts=8, share=None, seed=None):
+    """About `share` (drawn from 40-60% unless given: the lab's text says 40-60%, so a test
+    gives 0.4 on purpose, where "more than half the tokens" is wrong) of every rank's tokens go to
+    one expert the case draws (top-1 routing over `experts`). Expected: that expert, nothing
+    else; and so for the same trace with its experts renamed so that each of them is the hot one
+    once (a constant answer fails with probability 1, not 1 - 1/E)."""
     case = base.Case(f"{TASK1}: a hot expert among {experts}, {world.size} ranks", seed)
-    hot, share = case.integer(0, experts - 1), 0.4 + 0.05 * case.integer(0, 4)
+    hot = case.integer(0, experts - 1)
+    share = 0.4 + 0.05 * case.integer(0, 4) if share is None else share
     trace = traces.record_run(world, steps=steps, experts=experts, hot_expert=hot, share=share,
                               seed=case.integer(0, 10 ** 6), clock_skew=CLOCK_SKEW)
     got = _verdict(diagnose, trace, case, f"a run where expert {hot} gets {share:.0%} of tokens")
-    _expect(got, {"straggler": None, "missing": None, "hot_expert": hot}, case,
-            f"expert {hot} receives about {share:.0%} of the tokens", HINTS)
+    what = f"expert {hot} receives about {share:.0%} of the tokens"
+    _expect(got, {"straggler": None, "missing": None, "hot_expert": hot}, case, what, HINTS)
+    _every_renaming(diagnose, trace, "hot_expert", hot, experts, relabel_experts, case, what,
+                    HINTS)
     return got
 
 
