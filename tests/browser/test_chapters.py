@@ -1,6 +1,6 @@
 """Scenarios 1 and 5 of the student's JupyterLab flow, on the real course files: Run All on the
-chapter 0 and chapter 1 notebooks (then a typed `%%ranks` cell), and nbgrader's Validate on the student copy of lab 0, before and
-after the answers.
+chapter 0 and chapter 1 notebooks (then a typed `%%ranks` cell), and nbgrader's Validate on the
+student copy of lab 0, before and after the answers.
 
     .venv/bin/pytest tests/browser/test_chapters.py -v
 
