@@ -21,8 +21,8 @@ import sys
 import nbformat
 import pytest
 
-from grading_helpers import (FIXTURES, HIDDEN_SENTINELS, LAB, cli_env, grade_command,
-                             make_submission, needs_root_sandbox)
+from grading_helpers import (FIXTURES, HIDDEN_SENTINELS, LAB, cli_env, make_submission,
+                             needs_root_sandbox)
 from test_class_scale import postgres  # noqa: F401 (the throwaway PostgreSQL server fixture)
 
 pytestmark = [pytest.mark.timeout(600),
@@ -53,12 +53,10 @@ def _edit_test(course, old, new):
     nbformat.write(nb, path)
 
 
-def _regrade_command(course, out, db_url, *extra, submissions=None):
-    """`labkit regrade LAB [SUBMISSIONS] ...` (SUBMISSIONS right after LAB: an optional
-    positional after the options is taken for an unknown argument by argparse)."""
-    return [sys.executable, "-m", "labkit.tools.cli", "regrade", LAB,
-            *([str(submissions)] if submissions else []), "--out", str(out), "--course",
-            str(course), "--db", db_url, "--jobs", "1", "--cell-timeout", "10", *extra]
+def _regrade_command(course, out, db_url, *extra):
+    return [sys.executable, "-m", "labkit.tools.cli", "regrade", LAB, "--out", str(out),
+            "--course", str(course), "--db", db_url, "--jobs", "1", "--cell-timeout", "10",
+            *extra]
 
 
 def _grades(db_url):
@@ -97,9 +95,11 @@ def graded(tmp_path_factory, postgres):  # noqa: F811 (the imported fixture)
     make_submission(str(course), str(subs), names["half"],
                     {"task_rank_sum": "def rank_sum(x):\n    return 3.0"})
     db_url = postgres.url("regrade")
-    done = subprocess.run(grade_command(course, subs, out, "--db", db_url, "--jobs", "2"),
-                          capture_output=True, text=True, timeout=400, env=cli_env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from labkit.grading import grade                    # in this process: no start-up to pay
+    lines = []
+    report = grade(LAB, str(subs), jobs=2, out=str(out), course=str(course), db_url=db_url,
+                   cell_timeout=10, log=lines.append)
+    assert not report.not_graded, "\n".join(lines)[-3000:]
     from nbgrader.api import Gradebook
     with Gradebook(db_url, "default_course") as gb:       # what the formgrader's handlers do
         scale = gb.find_grade("test_scale", LAB, LAB, names["right"])
@@ -146,15 +146,21 @@ def test_regrade_in_two_shards_keeps_manual_grades_and_lists_the_changes(graded,
     course, subs, out, db_url, names = graded
     right, half = names["right"], names["half"]
     _edit_test(course, BROKEN_TEST, WRONG_TEST)                      # the fix
-    # shard 0 regrades the copies `labkit grade` kept in OUT; shard 1 is given the submissions
-    shards = [subprocess.Popen(_regrade_command(course, out, db_url, "--shard", f"{i}/2",
-                                                submissions=given),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=cli_env())
-              for i, given in ((0, None), (1, subs))]
-    logs = [p.communicate(timeout=400)[0] for p in shards]
-    for p, log in zip(shards, logs):
-        assert p.returncode == 0, log[-4000:]
+    # at once: shard 0 by the command, regrading the copies `labkit grade` kept in OUT; shard 1
+    # in this process (no start-up to pay), given the submissions folder
+    shard0 = subprocess.Popen(_regrade_command(course, out, db_url, "--shard", "0/2"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=cli_env())
+    from labkit.grading.regrade import regrade
+    lines = []
+    try:
+        result = regrade(LAB, str(subs), db_url=db_url, out=str(out), course=str(course),
+                         shard="1/2", jobs=1, cell_timeout=10, log=lines.append)
+    finally:
+        logs = [shard0.communicate(timeout=400)[0], "\n".join(lines) + "\n"]
+    assert shard0.returncode == 0, logs[0][-4000:]
+    assert not result.report.not_graded and not result.not_regraded, logs[1][-4000:]
+    assert [r["student"] for r in result.rows] == [half]
 
     after = _grades(db_url)
     total, cells, comments = after[right]

@@ -188,8 +188,8 @@ def add_arguments(parser) -> None:
     for action in parser._actions:             # SUBMISSIONS is optional here
         if action.dest == "submissions":
             action.nargs, action.default = "?", None
-            action.help = ("folder of <student_id>/ folders, as given to `labkit grade` "
-                           "(default: the copies it kept in OUT/work/submitted)")
+            action.help = ("folder of <student_id>/ folders, as given to `labkit grade`, "
+                           "right after LAB (default: the copies it kept in OUT/work/submitted)")
     parser.add_argument("--changes", action="store_true",
                         help="print the latest regrade's table of the whole class from the "
                              "gradebook (after every shard ran) and grade nothing")
