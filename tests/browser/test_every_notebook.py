@@ -20,10 +20,11 @@ fixture visits every selected notebook; each test then reports its own notebook'
 Screenshots: build/screenshots/every-notebook-<name>.png (not in git: build/ is ignored).
 
 Measured on this project's 2-core machine, shared with other jobs: the suite's 10 (chapters 2-10,
-the drill) in 180 s at load 3-4; with the labs, 21 notebooks in 304 s at load 4-5 with TABS = 2, 392 s with 3, about 15 s a notebook one at a time. A notebook costs ~2 s to
-open with its kernel, 5-9 s of setup (torch in the kernel; labkit's forkserver, which preloads
-torch for the ranks; the world's ranks), 2-3 s to type and run the `%%ranks` cell. That is over
-the 120 s the issue budgets: nearly all of it is the kernel's and the ranks' own start, CPU-bound.
+the drill) in 180 s at load 3-4; with the labs, 21 notebooks in 304 s at load 4-5 with TABS = 2,
+392 s with 3, about 15 s a notebook one at a time. A notebook costs ~2 s to open with its kernel,
+5-9 s of setup (torch in the kernel; labkit's forkserver, which preloads torch for the ranks; the
+world's ranks), 2-3 s to type and run the `%%ranks` cell. That is over the 120 s the issue budgets:
+nearly all of it is the kernel's and the ranks' own start, CPU-bound.
 """
 from __future__ import annotations
 
