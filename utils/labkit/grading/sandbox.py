@@ -471,15 +471,6 @@ def _clean_data(data: dict) -> dict:
     return out
 
 
-def _write(path, value, missing_ok=False):
-    try:
-        with open(path, "w") as f:
-            f.write(str(value))
-    except FileNotFoundError:
-        if not missing_ok:
-            raise
-
-
 def _sigkill(pids, still_ours):
     """SIGKILL each pid through a pidfd, and only if `still_ours(pid)` holds once the pidfd is
     open: a pid read from /proc or cgroup.procs may have been reused since, and the check after
