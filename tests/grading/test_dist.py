@@ -69,8 +69,8 @@ def test_the_copy_is_a_student_environment(tmp_path):
     commands = {line.split()[0] for line in shown.stdout.splitlines()
                 if line.startswith("    ") and not line.startswith("     ")}
     assert {"drill", "doctor", "dist", "student-setup"} <= commands, shown.stdout
-    assert not commands & {"grade", "report", "import", "export"}, shown.stdout
-    for command in ["grade", "report", "import", "export"]:
+    assert not commands & {"grade", "regrade", "report", "import", "export"}, shown.stdout
+    for command in ["grade", "regrade", "report", "import", "export"]:
         typed = subprocess.run(cli + [command, "lab00_first_collectives"], env=env,
                                capture_output=True, text=True, cwd=dist, timeout=60)
         assert typed.returncode == 2, typed.stderr
@@ -78,4 +78,5 @@ def test_the_copy_is_a_student_environment(tmp_path):
         assert "Traceback" not in typed.stderr and len(typed.stderr.splitlines()) == 1
     # the course repository's own CLI still has them
     here = subprocess.run(cli + ["--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert "    grade " in here.stdout and "    import " in here.stdout, here.stdout
+    assert "    grade " in here.stdout and "    import " in here.stdout \
+        and "    regrade " in here.stdout, here.stdout
