@@ -217,3 +217,35 @@ def test_differences_and_refusals_without_grading():
         compare(old, new, "lab")
     with pytest.raises(RegradeRefused, match="notebook other.ipynb added"):
         compare(old, dict(old, other=old["nb"]), "lab")
+
+
+def test_plain_grade_after_a_fix_points_to_regrade(tmp_path):
+    """build_gradebook says when it replaced an earlier version of the lab, and _graded_count
+    how many submissions were graded against it: together `labkit grade` prints one line that
+    points to `labkit regrade` instead of replacing scores silently (no grading needed here)."""
+    from nbgrader.api import Gradebook
+    from labkit.grading import pipeline
+    course = tmp_path / "course"
+    shutil.copytree(os.path.join(FIXTURES, "solutions"), course / "solutions")
+    out = tmp_path / "out"
+    private = out / "work"
+    os.makedirs(private / "release")
+    db_url = "sqlite:///" + str(out / "gradebook.db")
+    config = pipeline._config(str(course), str(course / "solutions"), str(out), db_url, LAB,
+                              str(private))
+    course_id = config.CourseDirectory.course_id
+    assert pipeline.build_gradebook(config, str(course / "solutions"), LAB, str(out),
+                                    str(private)) is False            # first build: nothing replaced
+    assert pipeline._graded_count(db_url, course_id, LAB) == 0
+    with Gradebook(db_url, course_id) as gb:
+        gb.add_student("s1")
+        gb.add_submission(LAB, "s1")
+    assert pipeline._graded_count(db_url, course_id, LAB) == 1
+    assert pipeline.build_gradebook(config, str(course / "solutions"), LAB, str(out),
+                                    str(private)) is False            # unchanged: nothing replaced
+    source = next((course / "solutions" / LAB).glob("*.ipynb"))
+    text = source.read_text()
+    assert WRONG_TEST in text
+    source.write_text(text.replace(WRONG_TEST, BROKEN_TEST))
+    assert pipeline.build_gradebook(config, str(course / "solutions"), LAB, str(out),
+                                    str(private)) is True             # the fix replaced it

@@ -227,7 +227,8 @@ def build_gradebook(config, source_root: str, lab: str, out: str,
                     private: str | None = None) -> None:
     """nbgrader generate_assignment, when solutions/<LAB> changed: into the gradebook (once for
     all shards: under gradebook_lock, stamped in the database) and into this run's private
-    release folder (from a throwaway gradebook when the shared one is already up to date)."""
+    release folder (from a throwaway gradebook when the shared one is already up to date).
+    Returns whether it replaced an earlier version of the lab in the gradebook."""
     import copy
     from labkit.grading.report import ClassRecord
     from nbgrader.api import Gradebook
@@ -241,24 +242,36 @@ def build_gradebook(config, source_root: str, lab: str, out: str,
         with gradebook_lock(db_url):
             Gradebook(db_url, config.CourseDirectory.course_id).close()   # nbgrader's tables
             record.create()                                                # then labkit's
-            if record.source_hash(lab) != source_hash:
+            earlier = record.source_hash(lab)
+            if earlier != source_hash:
                 _generate(config, lab)
                 record.set_source_hash(lab, source_hash)
                 with open(stamp_path, "w") as f:
                     f.write(source_hash)
-                return
+                return earlier is not None
     finally:
         record.close()
     release = os.path.join(config.CourseDirectory.release_directory, lab)
     if os.path.isdir(release) and os.path.exists(stamp_path) and \
             open(stamp_path).read() == source_hash:
-        return
+        return False
     with tempfile.TemporaryDirectory(prefix="labkit-release-") as scratch:
         local = copy.deepcopy(config)                 # same release, a gradebook of its own
         local.CourseDirectory.db_url = "sqlite:///" + os.path.join(scratch, "release.db")
         _generate(local, lab)
     with open(stamp_path, "w") as f:
         f.write(source_hash)
+    return False
+
+
+def _graded_count(db_url: str, course_id: str, lab: str) -> int:
+    """How many submissions of `lab` the gradebook holds (0 when it cannot tell)."""
+    from nbgrader.api import Gradebook, MissingEntry
+    try:
+        with Gradebook(db_url, course_id) as gb:
+            return len(gb.find_assignment(lab).submissions)
+    except (MissingEntry, Exception):  # noqa: BLE001 - a hint only
+        return 0
 
 
 def _generate(config, lab: str) -> None:
@@ -473,7 +486,8 @@ NO_ISOLATION_WARNING = """labkit grade: WITHOUT ISOLATION ({why}): every student
 def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | None = None,
           course: str | None = None, db_url: str | None = None, time_limit: float = 300.0,
           cell_timeout: float = 60.0, limits: dict | None = None, log=print,
-          shard: tuple[int, int] | str | None = None, no_isolation: bool = False) -> GradeReport:
+          shard: tuple[int, int] | str | None = None, no_isolation: bool = False,
+          _regrading: bool = False) -> GradeReport:
     """Grade every submission of `lab` in `submissions_dir` (or shard (i, N) of them, see
     in_shard); see the module docstring.
 
@@ -484,7 +498,7 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
     with stop_on_signals():
         try:
             return _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit,
-                          cell_timeout, limits, log, shard, no_isolation)
+                          cell_timeout, limits, log, shard, no_isolation, _regrading)
         except GradingStopped as stop:
             log(f"labkit grade {lab}: stopped by {signal.Signals(stop.signum).name}: "
                 f"{stop.what or 'no grading process was running (gradebook build or bookkeeping)'}"
@@ -501,7 +515,7 @@ def _user_name() -> str:
 
 
 def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_timeout, limits,
-           log, shard, no_isolation) -> GradeReport:
+           log, shard, no_isolation, regrading=False) -> GradeReport:
     from labkit.grading.sandbox import can_isolate
     started = time.monotonic()
     shard = parse_shard(shard) if isinstance(shard, str) else shard
@@ -539,7 +553,14 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
     os.makedirs(os.path.join(private, "release"), exist_ok=True)
     db_url = db_url or "sqlite:///" + os.path.join(out, "gradebook.db")
     config = _config(course, source_root, out, db_url, lab, private)
-    build_gradebook(config, source_root, lab, out, private)
+    replaced = build_gradebook(config, source_root, lab, out, private)
+    if replaced and not regrading:
+        graded = _graded_count(db_url, config.CourseDirectory.course_id, lab)
+        if graded:
+            log(f"labkit grade {lab}: solutions/{lab} changed since {graded} submission(s) were "
+                f"graded; their new scores replace the old ones without a record of what "
+                f"changed. `labkit regrade {lab} --db ...` keeps manual grades and lists whose "
+                f"score changed (docs/INSTRUCTORS.md, 'A wrong test found after grading began')")
     if db_url.startswith("sqlite:///") and os.path.exists(db_url[len("sqlite:///"):]):
         os.chmod(db_url[len("sqlite:///"):], 0o600)
     notebook_ids = sorted(os.path.splitext(os.path.basename(p))[0]

@@ -126,7 +126,8 @@ def regrade(lab: str, submissions_dir: str | None = None, db_url: str | None = N
             submissions_dir = copies = _copies(out, lab, shard)
         report = pipeline.grade(lab, submissions_dir, jobs=jobs, out=out, course=course,
                                 db_url=db_url, time_limit=time_limit, cell_timeout=cell_timeout,
-                                limits=limits, log=log, shard=shard, no_isolation=no_isolation)
+                                limits=limits, log=log, shard=shard, no_isolation=no_isolation,
+                                _regrading=True)
         after = {s: v for s, v in rounds.class_scores(db_url, course_id, lab).items()
                  if s in report.scores}
         first = {s: (0.0, {}) for s in after if s not in before}      # graded for the first time
