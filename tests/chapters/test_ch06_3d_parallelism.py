@@ -537,36 +537,33 @@ def _failed(outcome):
     return {test for test, error in outcome.items() if error is not None}
 
 
+WRONG6 = lab_notebooks.wrong_answers(LAB)    # issue 26's graded wrong answers, run here alone
+
 WRONG_CELLS = {   # name: (answer cell, its wrong source, the cells it must fail)
     # the first axis fastest also puts other ranks in the tp groups: it fails the node cell too
     "the first axis of the order varies fastest": ("task1_mesh_layout", _edit(
         "task1_mesh_layout", ("    for axis in reversed(axes):", "    for axis in axes:")),
         {"test_task1_layout", "test_task1_nodes"}),
-    "the groups sorted by the other axes' coordinates in alphabetical order": ("task1_mesh_layout", _edit(
-        "task1_mesh_layout",
-        ("            lines.setdefault(tuple(c[a] for a in axes if a != axis), []).append(rank)",
-         "            lines.setdefault(tuple(c[a] for a in sorted(axes) if a != axis), []).append(rank)"),
-        ("        groups[axis] = sorted(lines.values())",
-         "        groups[axis] = [group for _, group in sorted(lines.items())]")),
+    "the groups sorted by the other axes' coordinates in alphabetical order": (
+        "task1_mesh_layout", WRONG6.GROUPS_BY_NAME(lab_notebooks.answer(LAB, "task1_mesh_layout")),
         {"test_task1_layout"}),
     # the errors checked only where the product is wrong too passed both of these before
     "an axis named twice is let through": ("task1_mesh_layout", _edit(
         "task1_mesh_layout", ("    if sorted(axes) != sorted(degrees) or len(set(axes)) != len(axes):",
                               "    if set(axes) != set(degrees):")),
         {"test_task1_errors"}),
-    "degrees checked by `< 1` only (a float 2.0 passes)": ("task1_mesh_layout", _edit(
-        "task1_mesh_layout", ("        if isinstance(size, bool) or not isinstance(size, int) or size < 1:",
-                              "        if size < 1:")),
+    "degrees checked by `< 1` only (a float 2.0 passes)": (
+        "task1_mesh_layout", WRONG6.FLOAT_DEGREE(lab_notebooks.answer(LAB, "task1_mesh_layout")),
         {"test_task1_errors"}),
-    "no node check": ("task1_mesh_layout", _edit(
-        "task1_mesh_layout", ('    if gpus_per_node is not None and "tp" in degrees:', "    if False:")),
+    "no node check": (
+        "task1_mesh_layout", WRONG6.NO_NODE_CHECK(lab_notebooks.answer(LAB, "task1_mesh_layout")),
         {"test_task1_nodes"}),
     # every hidden case had its optimum at ZeRO-1 before: a search of one stage passed
-    "the search restricted to ZeRO-1": ("task3_choose_config", _edit(
-        "task3_choose_config", ("                for stage in range(4):", "                for stage in (1,):")),
+    "the search restricted to ZeRO-1": (
+        "task3_choose_config", WRONG6.ZERO1_ONLY(lab_notebooks.answer(LAB, "task3_choose_config")),
         {"test_task3_choice"}),
-    "the memory limit ignored": ("task3_choose_config", _edit(
-        "task3_choose_config", ("memory_limit=memory_limit)", "memory_limit=None)")),
+    "the memory limit ignored": (
+        "task3_choose_config", WRONG6.LIMIT_IGNORED(lab_notebooks.answer(LAB, "task3_choose_config")),
         {"test_task3_memory"}),
 }
 
@@ -579,16 +576,28 @@ def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
         assert _failed(outcome) == fails, f"{name}: {outcome}"
 
 
-# Plain data parallelism where ZeRO-1 is required: the gradients all-reduced over dp and a whole
-# optimizer on every rank. Same values, same bytes (ZeRO paper, section 7); it passed every cell
-# until the traffic cell judged the state each rank's optimizer holds.
-PLAIN_DATA_PARALLEL = lab_notebooks.wrong_answers(LAB).PLAIN_DATA_PARALLEL(
-    lab_notebooks.answer(LAB, "task2_train_3d"))
+# Task 2's graded wrong answers, each run alone through all four cells of the task. Plain data
+# parallelism (gradients all-reduced over dp, a whole optimizer on every rank) has ZeRO-1's values
+# and bytes (ZeRO paper, section 7): it passed every cell until the traffic cell judged the state
+# each rank's optimizer holds.
+TASK2_WRONG = [
+    ("PLAIN_DATA_PARALLEL", {"test_task2_traffic"}, "not ZeRO-1 over dp"),
+    # Zero1's default optimizer (AdamW) wherever SGD is asked for: the traffic cell runs AdamW
+    ("OPTIMIZER_DROPPED", {"test_task2_step", "test_task2_replicated", "test_task2_tied"},
+     "after"),
+    # `tied` never read: an untied embedding and head summed across pp as if they were one
+    ("TIED_ALWAYS", {"test_task2_step", "test_task2_replicated", "test_task2_traffic"}, "after"),
+    ("TIED_NOT_SUMMED", {"test_task2_tied", "test_task2_traffic"}, "tied embedding is wrong"),
+]
 
 
 @pytest.mark.timeout(600)
-def test_plain_data_parallelism_fails_only_the_traffic_cell():
-    outcome = lab_notebooks.run_lab(LAB, TASK2, {"task2_train_3d": PLAIN_DATA_PARALLEL})
-    assert _failed(outcome) == {"test_task2_traffic"}, outcome
-    assert "not ZeRO-1 over dp" in str(outcome["test_task2_traffic"])
-    labkit.shutdown_all()
+@pytest.mark.parametrize("name, lost, hint", TASK2_WRONG, ids=[n for n, _, _ in TASK2_WRONG])
+def test_each_wrong_answer_of_task2_fails_exactly_its_cells(name, lost, hint):
+    wrong = getattr(WRONG6, name)(lab_notebooks.answer(LAB, "task2_train_3d"))
+    try:
+        outcome = lab_notebooks.run_lab(LAB, TASK2, {"task2_train_3d": wrong})
+    finally:
+        labkit.shutdown_all()
+    assert _failed(outcome) == lost, outcome
+    assert any(hint in str(outcome[cell]) for cell in lost), outcome

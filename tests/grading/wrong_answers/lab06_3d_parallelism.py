@@ -1,23 +1,54 @@
-"""Lab 6's graded wrong answers (issue 26), one submission with one shortcut per task, each of
-which passed every cell before this round:
+"""Lab 6's graded wrong answers (issue 26). Each is a function of an answer cell's solution source
+that returns the wrong one; tests/chapters/test_ch06_3d_parallelism.py runs every one of them alone
+(lab_notebooks.run_lab) and asserts the cells it loses, exactly:
 
-- task 1, `float_degree`: degrees checked by `size < 1` only, so {"tp": 2.0} with the right
-  product is laid out instead of refused: fails test_task1_errors (1 point);
-- task 2, plain data parallelism where ZeRO-1 is required (gradients all-reduced over dp, one
-  whole optimizer on every rank): same values, same bytes; fails test_task2_traffic, which now
-  judges the optimizer state each rank holds (2 points);
-- task 3, the search restricted to ZeRO-1: fails test_task3_choice, whose hidden cases now have
-  optima at ZeRO-3 (2 points).
+    FLOAT_DEGREE         task 1  loses test_task1_errors (1): degrees checked by `size < 1` only,
+                                 so {"tp": 2.0} with the right product is laid out, not refused
+    GROUPS_BY_NAME       task 1  loses test_task1_layout (2): each axis's groups keyed by the other
+                                 axes' coordinates in alphabetical order, not in the mesh's order
+                                 (right groups, listed in the wrong order)
+    NO_NODE_CHECK        task 1  loses test_task1_nodes (1): gpus_per_node checked for dividing the
+                                 world, never against the tp groups
+    OPTIMIZER_DROPPED    task 2  loses test_task2_step, test_task2_replicated and test_task2_tied
+                                 (4): `optimizer` never handed to mesh.Zero1, whose default is
+                                 AdamW; wrong wherever the tests ask for SGD, right on the traffic
+                                 cell (AdamW)
+    TIED_ALWAYS          task 2  loses test_task2_step, test_task2_replicated and
+                                 test_task2_traffic (5): the embedding and the head summed across
+                                 pp whether or not they are tied (`tied` never read)
+    TIED_NOT_SUMMED      task 2  loses test_task2_tied and test_task2_traffic (3): the two copies of
+                                 the tied embedding each stepped with their own gradient
+    PLAIN_DATA_PARALLEL  task 2  loses test_task2_traffic (2): gradients all-reduced over dp, one
+                                 whole optimizer on every rank (ZeRO-1's values and bytes)
+    ZERO1_ONLY           task 3  loses test_task3_choice (2): the search restricted to ZeRO-1
+    LIMIT_IGNORED        task 3  loses test_task3_memory (1): every configuration judged against
+                                 the GPU's own memory, not `memory_limit`
 
-13 - 1 - 2 - 2 = 8. The other cells' wrong answers are in tests/chapters/test_ch06_3d_parallelism.py
-(run_lab, no nbgrader)."""
+Four submissions of 13 points, one wrong answer per task each."""
 from wrong_answers import swap
-
 
 
 FLOAT_DEGREE = swap(
     ("        if isinstance(size, bool) or not isinstance(size, int) or size < 1:",
      "        if size < 1:"))
+
+GROUPS_BY_NAME = swap(
+    ("            lines.setdefault(tuple(c[a] for a in axes if a != axis), []).append(rank)",
+     "            lines.setdefault(tuple(c[a] for a in sorted(axes) if a != axis), []).append(rank)"),
+    ("        groups[axis] = sorted(lines.values())",
+     "        groups[axis] = [group for _, group in sorted(lines.items())]"))
+
+NO_NODE_CHECK = swap(('    if gpus_per_node is not None and "tp" in degrees:', "    if False:"))
+
+OPTIMIZER_DROPPED = swap(
+    ("    zero1 = mesh.Zero1(stage.parameters(), dp_group, optimizer)\n",
+     "    zero1 = mesh.Zero1(stage.parameters(), dp_group)\n"))
+
+TIED_ALWAYS = swap(("    if tied and pp > 1:\n", "    if pp > 1:\n"))
+
+TIED_NOT_SUMMED = swap(
+    ("            dist.all_reduce(copy.grad, group=tied_group)\n",
+     "            pass                               # each copy steps with its own gradient\n"))
 
 PLAIN_DATA_PARALLEL = swap(
     ("    zero1 = mesh.Zero1(stage.parameters(), dp_group, optimizer)\n",
@@ -44,18 +75,21 @@ PLAIN_DATA_PARALLEL = swap(
 
 ZERO1_ONLY = swap(("                for stage in range(4):", "                for stage in (1,):"))
 
+LIMIT_IGNORED = swap(("memory_limit=memory_limit)", "memory_limit=None)"))
+
+POINTS = 13
 WRONG = {
     "shortcut-per-task": ({"task1_mesh_layout": FLOAT_DEGREE,
                            "task2_train_3d": PLAIN_DATA_PARALLEL,
-                           "task3_choose_config": ZERO1_ONLY}, None, 8),
+                           "task3_choose_config": ZERO1_ONLY}, None, POINTS - 1 - 2 - 2),
+    "wrong-groups-optimizer-limit": ({"task1_mesh_layout": GROUPS_BY_NAME,
+                                      "task2_train_3d": OPTIMIZER_DROPPED,
+                                      "task3_choose_config": LIMIT_IGNORED},
+                                     None, POINTS - 2 - 4 - 1),
+    "wrong-nodes-tied": ({"task1_mesh_layout": NO_NODE_CHECK,
+                          "task2_train_3d": TIED_NOT_SUMMED}, None, POINTS - 1 - 3),
+    "wrong-tied-always": ({"task2_train_3d": TIED_ALWAYS}, None, POINTS - 5),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)
-UNCOVERED = [
-    'test_task1_layout',
-    'test_task1_nodes',
-    'test_task2_step',
-    'test_task2_replicated',
-    'test_task2_tied',
-    'test_task3_memory',
-]
+UNCOVERED = []
