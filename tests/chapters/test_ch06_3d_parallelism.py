@@ -582,12 +582,10 @@ def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
 # each rank's optimizer holds.
 TASK2_WRONG = [
     ("PLAIN_DATA_PARALLEL", {"test_task2_traffic"}, "not ZeRO-1 over dp"),
-    # Zero1's default optimizer (AdamW) wherever SGD is asked for: the traffic cell runs AdamW
-    ("OPTIMIZER_DROPPED", {"test_task2_step", "test_task2_replicated", "test_task2_tied"},
-     "after"),
-    # `tied` never read: an untied embedding and head summed across pp as if they were one
-    ("TIED_ALWAYS", {"test_task2_step", "test_task2_replicated", "test_task2_traffic"}, "after"),
     ("TIED_NOT_SUMMED", {"test_task2_tied", "test_task2_traffic"}, "tied embedding is wrong"),
+    # OPTIMIZER_DROPPED (Zero1's default AdamW where SGD is asked for: step, replicated, tied)
+    # and TIED_ALWAYS (`tied` never read: step, replicated, traffic) are graded at their exact
+    # scores in test_labs' run of lab 6 only: each run here costs ~60 s of ranks (suite time)
 ]
 
 
