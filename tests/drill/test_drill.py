@@ -210,7 +210,7 @@ def independent(drill_id, p):
     if drill_id == "ring-attention-bytes":                   # hop by hop: what leaves each step
         block = p["B"] * p["H_kv"] * (p["T"] // p["P"]) * p["d"] * 2
         forward = sum(2 * block for _ in range(p["P"] - 1))
-        backward = sum(4 * block for _ in range(p["P"] - 1)) + 2 * block
+        backward = 2 * block + sum(4 * block for _ in range(p["P"] - 2)) + 2 * block   # K,V; +sums; sums home
         return forward + (backward if p["backward"] else 0)
     if drill_id == "ulysses-bytes":                          # per tensor: all but my 1/P piece
         P, t, d = p["P"], p["T"] // p["P"], p["d"]

@@ -62,7 +62,7 @@ def attention(q, k, v, causal: bool = False, q_pos=None, k_pos=None):
     return weights @ v, lse
 
 
-from labkit.context.costs import (activation_bytes, blocks_computed, five_d,  # noqa: E402
-                                  ring_bytes, ulysses_bytes)
+from labkit.context.costs import (activation_bytes, blocks_computed, ring_bytes,  # noqa: E402
+                                  ulysses_bytes)
 
-__all__ += ["activation_bytes", "blocks_computed", "five_d", "ring_bytes", "ulysses_bytes"]
+__all__ += ["activation_bytes", "blocks_computed", "ring_bytes", "ulysses_bytes"]

@@ -73,13 +73,14 @@ def _ring(p, formula):
                 f"Forward: K and V make P - 1 = {P - 1} hops: 2 (P-1) n_blk = "
                 f"{bytes_text(2 * (P - 1) * block)}."]
     if backward:
-        solution.append(f"Backward: K and V again (2 (P-1) n_blk) and dK, dV one hop more, home "
-                        f"(2 P n_blk): in all {bytes_text(total)}.")
+        solution.append(f"Backward: K and V again (2 (P-1) n_blk), and the sums of dK and dV, "
+                        f"P - 1 hops from the rank after the owner round to it (2 (P-1) n_blk): "
+                        f"6 (P-1) n_blk in all, {bytes_text(total)}.")
     unit = "GB" if total >= 1e9 else "MB"
     if backward:
-        slips = ((2 * (P - 1) / (6 * P - 4), "That is the forward only; backward sends K, V and "
-                  "their gradients too."),
-                 (6 * P / (6 * P - 4), "That is P hops for every tensor; K and V need P - 1."))
+        slips = ((1 / 3, "That is the forward only; backward sends K, V and the sums of their "
+                  "gradients too."),
+                 (P / (P - 1), "That is P hops for every tensor; the ring needs P - 1."))
     else:
         slips = ((0.5, "That counts K only: V travels with it."),
                  (P / (P - 1), "That is P hops; the ring needs P - 1 (the first block is home)."))
