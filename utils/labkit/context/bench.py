@@ -27,7 +27,7 @@ def ring_pass(tensors: list) -> list:
     of the same shapes and dtypes from rank (r - 1) mod P, and return them (one ring step; P
     isend and P irecv, all waited for). With P = 1 it returns the tensors themselves."""
     import torch.distributed as dist
-    P, rank = dist.get_world_size(), dist.get_rank()
+    rank, P = dist.get_rank(), dist.get_world_size()
     if P == 1:
         return list(tensors)
     received = [torch.empty_like(t) for t in tensors]
@@ -53,9 +53,9 @@ def ring_forward(q, k, v, causal: bool = True):
     at these positions. K and V go around the ring P - 1 times (`ring_pass`): every rank sends
     2 (P - 1) blocks of [B, H, T/P, d]."""
     import torch.distributed as dist
-    P, rank = dist.get_world_size(), dist.get_rank()
+    rank, P = dist.get_rank(), dist.get_world_size()
     T = q.size(2) * P                                                       # the whole sequence
-    q_pos = context.positions(T, P, rank, balanced=True)                    # [T/P]
+    q_pos = context.positions(T, P, rank, True)                   # [T/P] (balanced)
     out = torch.zeros_like(q)                                               # [B, H, T/P, d]
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)            # [B, H, T/P]
     k_block, v_block = k, v

@@ -19,24 +19,29 @@ LAB = "lab10_long_sequences"
 
 def predict(model: Model, config: dict, global_batch: int, recompute: str = "full") -> dict:
     """{"bytes": {"dp", "cp", "tp", "pp"}, "memory": peak bytes} of one rank, one step."""
-    dp, cp, tp, pp, stage, m = (config[k] for k in ("dp", "cp", "tp", "pp", "zero_stage",
-                                                    "microbatches"))
-    short = dataclasses.replace(model, seq=model.seq // cp)              # s / cp tokens a rank
-    plain = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": stage, "microbatches": m}
-    sent = cost.axis_bytes(short, plain, global_batch, recompute)
-    replicas = dp * cp                                  # ranks that hold the same weights
-    psi_rank = model.parameters / (tp * pp)
-    dp_bytes = cost.dp_wire_bytes(psi_rank, replicas, stage, m) if replicas > 1 else 0.0
-    b = global_batch // (dp * m)
-    block = b * (model.seq // cp) * (model.hidden // tp) * cost.BYTES   # one K (or V) block
-    forwards = 2 if recompute == "full" else 1
-    cp_bytes = (model.layers // pp) * m * (2 * forwards + 4) * (cp - 1) * block
-    peak = ledger.per_rank_ledger(
-        model.layers, model.hidden, model.heads, model.seq // cp, b, vocab=model.vocab,
-        dp=replicas, tp=tp, pp=pp, zero_stage=stage, recompute=recompute, schedule="1f1b",
-        microbatches=m)["peak"]
-    return {"bytes": {"dp": float(dp_bytes), "cp": float(cp_bytes), "tp": float(sent["tp"]),
-                      "pp": float(sent["pp"])}, "memory": float(peak)}
+    degrees = {axis: int(config[axis]) for axis in ("dp", "cp", "tp", "pp")}
+    zero, micro = config["zero_stage"], config["microbatches"]
+    tokens = model.seq // degrees["cp"]                        # what a rank of the cp group holds
+    # chapter 6's tp and pp bytes, for a model whose sequence is the rank's tokens
+    others = cost.axis_bytes(dataclasses.replace(model, seq=tokens),
+                             {"dp": degrees["dp"], "tp": degrees["tp"], "pp": degrees["pp"],
+                              "zero_stage": zero, "microbatches": micro}, global_batch, recompute)
+    # gradients are reduced over every rank holding the same weights: dp x cp of them
+    group = degrees["dp"] * degrees["cp"]
+    weights = model.parameters / (degrees["pp"] * degrees["tp"])
+    reduce_bytes = 0.0 if group == 1 else cost.dp_wire_bytes(weights, group, zero, micro)
+    per_micro = global_batch // (micro * degrees["dp"])
+    kv = cost.BYTES * per_micro * tokens * (model.hidden // degrees["tp"])   # one K or V block
+    passes = 1 + (recompute == "full")                         # forwards run per microbatch
+    hops = degrees["cp"] - 1
+    ring_bytes = hops * kv * (2 * passes + 4) * micro * (model.layers // degrees["pp"])
+    memory = ledger.per_rank_ledger(
+        model.layers, model.hidden, model.heads, tokens, per_micro, vocab=model.vocab,
+        dp=group, tp=degrees["tp"], pp=degrees["pp"], zero_stage=zero, recompute=recompute,
+        schedule="1f1b", microbatches=micro)["peak"]
+    return {"bytes": {"dp": float(reduce_bytes), "cp": float(ring_bytes),
+                      "tp": float(others["tp"]), "pp": float(others["pp"])},
+            "memory": float(memory)}
 
 
 def expected(model: dict, config: dict, global_batch: int, recompute: str) -> dict:
