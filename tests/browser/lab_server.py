@@ -58,7 +58,10 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 class LabServer:
-    def __init__(self, root_dir: Path, state_dir: Path):
+    def __init__(self, root_dir: Path, state_dir: Path, configure=None):
+        """configure: called with the server's environment after its settings are written and
+        before Lab starts (a command that writes more user-level config, say)."""
+        self.configure = configure
         self.root_dir = Path(root_dir)
         self.state_dir = Path(state_dir)  # config, runtime, settings, workspaces, log: throwaway
         self.token = secrets.token_hex(16)
@@ -108,6 +111,8 @@ class LabServer:
     # -- start / stop -----------------------------------------------------------------------------
     def start(self, attempts: int = 3) -> None:
         self._write_settings()
+        if self.configure is not None:
+            self.configure(self._env())
         for attempt in range(attempts):
             self.port = free_port()
             try:

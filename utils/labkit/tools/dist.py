@@ -183,23 +183,33 @@ class StudentSetup:
 
     @staticmethod
     def add_arguments(parser) -> None:
-        pass
+        parser.add_argument("--user", action="store_true",
+                            help="write the settings to this user's Jupyter config folder "
+                                 "($JUPYTER_CONFIG_DIR or ~/.jupyter) instead of the "
+                                 "environment's (a shared environment one cannot write to)")
 
     @staticmethod
     def run(args) -> int:
         # server extensions: a config file of our own after nbgrader's in the same .d folder
         # (later files win); `jupyter server extension disable` validates nbgrader's modules,
         # fails (they have no _jupyter_server_extension_points) and writes nothing
-        folder = os.path.join(sys.prefix, "etc", "jupyter", "jupyter_server_config.d")
+        user = bool(getattr(args, "user", False))
+        if user:
+            from jupyter_core.paths import jupyter_config_dir
+            base = jupyter_config_dir()
+        else:
+            base = os.path.join(sys.prefix, "etc", "jupyter")
+        level = "user" if user else "sys_prefix"
+        folder = os.path.join(base, "jupyter_server_config.d")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, SERVER_CONFIG), "w") as f:
             json.dump({"ServerApp": {"jpserver_extensions": {
                 name: False for name in INSTRUCTOR_SERVER_EXTENSIONS}}}, f, indent=2)
         jupyter = [sys.executable, "-m", "jupyter"]
         # lab plugins: disabled, and locked (JupyterLab >= 4.1 lets a user re-enable otherwise)
-        for command in (["labextension", "disable", "--level=sys_prefix",
+        for command in (["labextension", "disable", f"--level={level}",
                          *INSTRUCTOR_LAB_PLUGINS],
-                        ["labextension", "lock", "--level=sys_prefix",
+                        ["labextension", "lock", f"--level={level}",
                          *INSTRUCTOR_LAB_PLUGINS]):
             done = subprocess.run(jupyter + command, capture_output=True, text=True)
             if done.returncode != 0:
@@ -208,7 +218,8 @@ class StudentSetup:
                       "; is this the environment of `pip install -e .` (nbgrader installed)?",
                       file=sys.stderr)
                 return 1
-        print(f"labkit student-setup: nbgrader's instructor panels are off in {sys.prefix} "
+        print(f"labkit student-setup: nbgrader's instructor panels are off in "
+              f"{base if user else sys.prefix} "
               "(Formgrader, Create Assignment, course and assignment lists); Validate stays. "
               "Check: jupyter labextension list")
         return 0
