@@ -3,6 +3,7 @@ real ranks: a correct ring written as the prompt suggests keeps every point of t
 wrong answer issue 12 names fails the test cells of its task (the lab's own cells, visible and
 hidden lines, run outside nbgrader). The suite's `labkit grade` test gives the solution full marks."""
 import math
+import re
 import statistics
 import sys
 import threading
@@ -134,7 +135,6 @@ def _answer(grade_id):
 TASK1 = ["test_task1_ring_values", "test_task1_ring_any_world", "test_task1_ring_traffic"]
 TASK2 = ["test_task2_recursive_doubling_values", "test_task2_recursive_doubling_partners",
          "test_task2_crossover"]
-TASK3 = ["test_task3_all_to_all_bytes", "test_task3_all_to_all_seconds"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -227,22 +227,7 @@ def test_recursive_doubling_renamed_from_the_ring_fails_the_partners_cell():
     assert "partner r XOR 2^k" in str(outcome["test_task2_recursive_doubling_partners"])
 
 
-@pytest.mark.timeout(60)
-def test_all_to_all_formulas_that_count_the_own_block_fail_task_3():
-    wrong = '''
-def all_to_all_bytes(n_bytes, world_size):
-    if world_size < 1:
-        raise ValueError(world_size)
-    return n_bytes if world_size > 1 else 0             # counts the block a rank keeps
-
-
-def all_to_all_seconds(n_bytes, world_size, alpha, beta):
-    if world_size < 1:
-        raise ValueError(world_size)
-    return 0 if world_size == 1 else world_size * (alpha + n_bytes / world_size * beta)
-'''
-    outcome = run_lab(TASK3, {"task3_all_to_all": wrong})
-    assert all(isinstance(error, AssertionError) for error in outcome.values()), outcome
+# lab 1, task 3 (the uneven all_to_all) is tested in test_lab01_collectives.py
 
 
 @pytest.mark.timeout(60)
@@ -372,7 +357,7 @@ def test_the_chapters_rabenseifner_refuses_three_ranks_naming_the_rank():
         world.call(lambda: fn(__import__("torch").ones(6)), timeout=20)
 
 
-def _overwrite_after_isend(n, receiver_late):
+def _overwrite_after_isend(n, receiver_late, overwrite_late=0.0):
     import time
     import torch
     import torch.distributed as dist
@@ -380,6 +365,7 @@ def _overwrite_after_isend(n, receiver_late):
     dist.barrier()
     if dist.get_rank() == 0:
         request = dist.isend(x, dst=1)
+        time.sleep(overwrite_late)
         x.fill_(-1.0)
         request.wait()
         return None
@@ -390,11 +376,13 @@ def _overwrite_after_isend(n, receiver_late):
 
 def test_gloo_sends_from_the_buffer_when_the_receiver_is_ready_not_at_isend():
     """Chapter 1, rule 4: gloo copies nothing at isend; with the receiver a second late, the data
-    leaves x after the overwrite, so every entry arrives overwritten (run after run)."""
+    leaves x after the overwrite, so every entry arrives overwritten (run after run); with the
+    overwrite half a second late, the message has left before it and none is."""
     world = labkit.world(2, backend="gloo", teaching=False)
     n = 1 << 20
     for _ in range(2):
         assert world.run(_overwrite_after_isend, n, 1.0)[1] == n
+    assert world.run(_overwrite_after_isend, n, 0.0, 0.5)[1] == 0
 
 
 def _two_groups_of_the_same_ranks():
@@ -414,6 +402,31 @@ def test_two_groups_of_the_same_ranks_hang_even_in_teaching_mode():
         world.call(_two_groups_of_the_same_ranks, timeout=3)
     waiting = [line for line in str(hang.value).splitlines() if "waiting in all_reduce" in line]
     assert len(waiting) == 2 and all("on ranks [0, 1]" in line for line in waiting), str(hang.value)
+    verdict = [line for line in str(hang.value).splitlines() if line.startswith("=>")]
+    assert len(verdict) == 1 and "different process groups" in verdict[0], str(hang.value)
+    names = re.findall(r"rank (\d) on group '([^']+)'", verdict[0])
+    assert [r for r, _ in names] == ["0", "1"] and names[0][1] != names[1][1], verdict
+
+
+def _snapshot(group_name, seq=1):
+    record = {"op": "all_reduce", "seq": seq, "finished": False, "t_start": 0.0, "peer": None,
+              "group": [0, 1], "group_name": group_name, "dtypes": ["float32"], "shapes": [[4]]}
+    return {"now": 1.0, "stack": "", "current": [record], "recent": [record],
+            "collective_counts": {"[0, 1]": seq}}
+
+
+def test_the_hang_report_names_the_groups_only_when_they_differ():
+    """labkit's diagnosis (chapter 1, rule 3): two ranks in the same call on the same ranks but
+    on groups of different names are named with their groups; on one group (a real wait on each
+    other) the verdict is the old one, without group names."""
+    from labkit.runtime import diagnose
+    two = diagnose.report({0: _snapshot("2"), 1: _snapshot("3")})
+    assert "rank 0 on group '2'; rank 1 on group '3'" in two, two
+    one = diagnose.report({0: _snapshot("2"), 1: _snapshot("2")})
+    assert "every rank of [0, 1] issued all_reduce #1; they wait on each other" in one, one
+    assert "different process groups" not in one
+    unnamed = diagnose.report({0: _snapshot(None), 1: _snapshot(None)})   # an older snapshot
+    assert "they wait on each other" in unnamed, unnamed
 
 
 def test_the_held_out_band_rejects_a_constant_and_a_latency_free_model():

@@ -9,6 +9,9 @@ collective) for those ops and its current stack, and this module writes the repo
     rank 1: not in a collective; last: broadcast #1 on ranks [0, 1] (finished)
     => rank 1 never issued all_reduce #2 on ranks [0, 1], which rank 0 is waiting in.
 
+Ranks that wait in the same call on the same ranks but on two process groups (two `new_group`
+calls with the same members) are named with their groups instead.
+
 What a rank answers comes from a process that runs the student's code, which can replace the
 helper that answers: `collect` reads each answer with a size bound and leaves it unparsed, so the
 caller can stop the ranks first; `report` then parses and checks every answer (`parse`), and an
@@ -83,6 +86,7 @@ def _valid_record(record):
             and _is_int(record.get("seq")) and isinstance(record.get("finished"), bool)
             and _is_number(record.get("t_start"))
             and (record.get("peer") is None or _is_int(record.get("peer")))
+            and (record.get("group_name") is None or isinstance(record.get("group_name"), str))
             and isinstance(record.get("group"), list) and all(map(_is_int, record["group"]))
             and isinstance(record.get("dtypes"), list)
             and all(isinstance(d, str) for d in record["dtypes"])
@@ -133,7 +137,7 @@ def report(answers, exited=None, finished=()):
                   if answer is not None and parse(answer) is None}
     answers = {rank: parse(answer) for rank, answer in answers.items()}
     lines = []
-    waiting = {}  # (group, seq) -> (op, [ranks waiting])
+    waiting = {}  # (group, seq) -> (op, [ranks waiting], {rank: its group's name})
     for rank in sorted(set(answers) | set(exited)):
         if rank in exited:
             lines.append(f"rank {rank}: {exited[rank]}")
@@ -161,7 +165,9 @@ def report(answers, exited=None, finished=()):
                          f"(for {now - record['t_start']:.1f} s)")
             if record["peer"] is None:
                 key = (tuple(record["group"]), record["seq"])
-                waiting.setdefault(key, (record["op"], []))[1].append(rank)
+                entry = waiting.setdefault(key, (record["op"], [], {}))
+                entry[1].append(rank)
+                entry[2][rank] = record.get("group_name")
         else:
             lines.append(f"rank {rank}: not in a collective")
         done = [r for r in answer["recent"] if r["finished"]][-3:]
@@ -175,9 +181,18 @@ def report(answers, exited=None, finished=()):
 
 
 def _missing(waiting, answers, exited):
-    """For each collective someone waits in, the ranks of its group that never issued it."""
+    """For each collective someone waits in, the ranks of its group that never issued it; or,
+    when the waiters are on different process groups with the same ranks, those groups."""
     verdicts = []
-    for (group, seq), (op, waiters) in sorted(waiting.items()):
+    for (group, seq), (op, waiters, names) in sorted(waiting.items()):
+        named = {rank: name for rank, name in names.items() if name is not None}
+        if len(set(named.values())) > 1:
+            on = "; ".join(f"rank {rank} on group {name!r}" for rank, name in sorted(named.items()))
+            verdicts.append(f"=> ranks {', '.join(map(str, waiters))} wait in {op} #{seq} on the "
+                            f"same ranks {list(group)} but on different process groups ({on}): "
+                            f"every rank must call a collective on the same group object; each "
+                            f"dist.new_group call makes a new group, even with the same ranks.")
+            continue
         absent = []
         for rank in group:
             if rank in waiters:

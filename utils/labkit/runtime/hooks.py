@@ -2,7 +2,7 @@
 
 Every call of a wrapped function (collective or point-to-point) becomes a record:
 `seq` (per process group for collectives, per peer for point-to-point), `op`, `group` (global
-ranks), `peer`, `shapes`, `dtypes`, `tensor_bytes`, `wire_bytes_sent`, `t_start`, `t_end`,
+ranks), `group_name` (torch's name of the group, for collectives), `peer`, `shapes`, `dtypes`, `tensor_bytes`, `wire_bytes_sent`, `t_start`, `t_end`,
 `finished`. The last few records are always kept (the hang diagnosis reads them); all of them are
 kept while tracing is on.
 
@@ -76,6 +76,15 @@ def _group_ranks(group):
     if group is None or group is dist.GroupMember.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _group_name(group):
+    """The process group's name (torch's `group.group_name`, "0" for the world), or None: two
+    groups made by two `new_group` calls with the same ranks differ only by it."""
+    try:
+        return str((dist.group.WORLD if group is None else group).group_name)
+    except Exception:              # a placeholder or a backend without names: no name to show
+        return None
 
 
 def _fire_fault():
@@ -161,6 +170,7 @@ def _wrap(name, function, point_to_point):
             seq = STATE.collective_seq[ranks]
         record = {
             "rank": dist.get_rank(), "seq": seq, "op": name, "group": ranks, "peer": peer,
+            "group_name": None if point_to_point else _group_name(group),
             "shapes": [tuple(t.shape) for t in tensors],
             "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
             "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
