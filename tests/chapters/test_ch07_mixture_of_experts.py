@@ -624,3 +624,44 @@ def test_expected_remote_nodes_matches_uniform_routing():
     assert math.isclose(got["per_copy"] / 20000, expected["per_copy"], rel_tol=0.02)
     assert math.isclose(got["per_node"] / 20000, expected["per_node"], rel_tol=0.02)
     assert expected["per_node"] < expected["per_copy"]
+
+
+# ---- section 5's grouped GEMM and section 8's self-check -----------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_equals_the_loop_over_experts_with_an_empty_one(dtype):
+    """The chapter relies on torch._grouped_mm(rows, w, offs=cumulative counts) being the loop."""
+    counts = torch.tensor([3, 0, 7, 1, 0])
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(int(counts.sum()), 16, generator=generator).to(dtype)      # [R, H]
+    w = torch.randn(len(counts), 16, 8, generator=generator).to(dtype)            # [E, H, H']
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    starts = (ends - counts).tolist()
+    looped = torch.cat([rows[s:e] @ w[k] for k, (s, e) in enumerate(zip(starts, ends.tolist()))])
+    torch.testing.assert_close(torch._grouped_mm(rows, w, offs=ends), looped)
+
+
+def test_selfcheck_asks_first_and_agrees_with_the_formulas():
+    from labkit.moe import selfcheck
+    questions = selfcheck.questions()
+    assert selfcheck.check({key: None for key in questions}) == 0
+    right = {key: value for key, (value, _) in questions.items()}
+    assert selfcheck.check(right) == len(questions)
+    assert right["capacity"] == 160 and right["fp8 row bytes"] == 7168 + 4 * 56
+    assert math.isclose(right["forward GB"], 4 * 63 / 64 * 8 * 4096 * 7168 / 1e9)
+    assert right["rows across once per node"] == 2 and right["expert gradient group"] == 2
+    assert selfcheck.check({"forward GB": 2 * right["forward GB"]}) == 0    # forward and backward
+    assert selfcheck.check({"rows across once per node": 6}) == 0           # every copy, not per node
+    with pytest.raises(KeyError, match="capacity"):
+        selfcheck.check({"capacty": 160})
+
+
+def test_chapter_self_check_keeps_its_answers_in_labkit():
+    import json
+    cells = json.loads((ROOT / "course" / "07_mixture_of_experts.ipynb").read_text())["cells"]
+    sources = ["".join(cell["source"]) for cell in cells]
+    at = next(i for i, s in enumerate(sources) if s.startswith("## 8. Check yourself"))
+    after = "\n".join(sources[at + 1:])
+    assert "selfcheck.check(answers)" in after
+    for leaked in ("moe.capacity(4096", "row_bytes(7168)", "ep_bytes_per_rank(4096", "False, 0"):
+        assert leaked not in after, leaked

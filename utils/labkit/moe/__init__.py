@@ -11,7 +11,8 @@
 What is here: routing, the capacity formula, the bytes an expert-parallel layer moves, the
 DeepSeek-V3 figures those formulas are applied to, and load-imbalance metrics; `moe.ep` holds the
 rank side (the differentiable all-to-all, the count exchange, the layer's single-process
-reference), `moe.fp8` the float8 facts, `moe.toy` a tiny MoE to train routers on. What is not
+reference), `moe.fp8` the float8 facts, `moe.toy` a tiny MoE to train routers on,
+`moe.nodes` the node-limited byte counts, `moe.selfcheck` the chapter's questions. What is not
 here: dispatch and combine with capacity, the expert-parallel layer, the balance step over ranks
 and the FP8 dispatch (lab 7, tasks 1-4).
 
