@@ -11,6 +11,7 @@ import ast
 import json
 import random
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,92 @@ def test_prose_no_longer_says_interleaving_sends_v_times():
     assert "Interleaving sends v = 2 times" not in markdown
     assert "(v p - 1)/(p - 1) times as\nmany messages" in markdown
     assert "p\\left(1 + \\frac{p-1}{p\\,v}\\right)" in markdown
+
+
+# ---- chapter 5: torch's V-shaped tables scored, interleaving's memory measured in bytes ---------
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_v_layout_maps_back_and_forth(p):
+    seen = set()
+    for rank in range(p):
+        for chunk in (0, 1):
+            s = pipeline.virtual_stage(rank, chunk, p, "v")
+            assert pipeline.placement(s, p, "v") == (rank, chunk)
+            seen.add(s)
+    assert seen == set(range(2 * p))
+    assert pipeline.virtual_stage(0, 1, p, "v") == 2 * p - 1          # rank 0: first and last
+    assert pipeline.virtual_stage(p - 1, 1, p, "v") == p              # rank p-1: the two middle ones
+    with pytest.raises(ValueError, match="two chunks"):
+        pipeline.virtual_stage(0, 2, p, "v")
+    with pytest.raises(ValueError, match="layout"):
+        pipeline.placement(0, p, "zigzag")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_torch_v_tables_score_as_the_chapter_says(p):
+    """ZB-V: complete, finishes, no idle inside a rank's span, 2p chunk-microbatches alive, the
+    ramp (p-1)/2 idle per rank; DualPipeV: complete, finishes, one chunk-microbatch more. Both
+    deadlock with blocking sends (like 1F1B), for m = 2p and 4p."""
+    for m in (2 * p, 4 * p):
+        for name, alive in (("ZBVZeroBubble", 2 * p), ("DualPipeV", 2 * p + 1)):
+            table = pipeline.torch_v_schedule(name, p, m)
+            report = pipeline.check_schedule(table, m, layout="v")
+            assert report.ok, (name, p, m, report)
+            assert report.peak_alive == [alive] * p, (name, report.peak_alive)
+            assert report.blocking_deadlock is not None
+            if name == "ZBVZeroBubble":
+                spans = [[report.timeline[(k, a)] for a in acts] for k, acts in enumerate(table)]
+                in_span = [max(e for _, e in s) - min(b for b, _ in s) - busy
+                           for s, busy in zip(spans, report.busy)]
+                assert in_span == [0] * p
+                assert [report.makespan - busy for busy in report.busy] == [Fraction(p - 1, 2)] * p
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_layout_matters_a_v_table_read_looped_fails(p):
+    """Sensitivity: the same table under the looped map is not a working schedule (a stage waits
+    for a virtual stage that comes after it), so the V result is the map's, not the checker's
+    leniency."""
+    m = 2 * p
+    table = pipeline.torch_v_schedule("ZBVZeroBubble", p, m)
+    assert not pipeline.check_schedule(table, m, layout="loop").ok
+    with pytest.raises(ValueError, match="two chunks"):
+        pipeline.check_schedule(pipeline.interleaved_1f1b(p, 3 * p, 3), 3 * p, layout="v")
+
+
+def test_notebook_scores_the_v_tables_with_the_v_layout():
+    code = "\n".join(_cells(CH5, "code"))
+    assert 'torch_v_schedule("ZBVZeroBubble"' in code and 'torch_v_schedule("DualPipeV"' in code
+    assert 'layout=layout' in code and "torch_table_kinds" not in code
+    markdown = "\n".join(_cells(CH5, "markdown"))
+    assert "counted, not scheduled" not in markdown
+
+
+@pytest.fixture(scope="module")
+def world3_memory():
+    yield labkit.world(3, timeout=60)
+    labkit.shutdown_all()
+
+
+@pytest.mark.timeout(180)
+def test_torch_interleaved_first_stage_saves_megatrons_penalty_in_bytes(world3_memory):
+    """On 3 real ranks (p odd): rank 0's peak of saved bytes under torch's ScheduleInterleaved1F1B
+    is (v p + p - 1) chunk-microbatches of 2 b T H x 8 bytes per block, i.e.
+    p (1 + (p-1)/(p v)) microbatches of its stage; 1F1B's is p; the ranks after it hold
+    v p + p - 1 - 2r (the warm-up shrinks by 2 per rank), the last one adding its loss's input."""
+    p, b, T, H = 3, 2, 5, 8
+    one = 2 * b * T * H * 8
+    for name, v, blocks in (("1F1B", 1, 2), ("Interleaved1F1B", 2, 1), ("Interleaved1F1B", 3, 1)):
+        for m in (2 * p, 4 * p):
+            results = world3_memory.call(pipeline.torch_runs.torch_activation_peak,
+                                         args=(name, m, v, blocks, b, T, H), timeout=120)
+            peaks = [r["peak_bytes"] for r in results]
+            stage_microbatch = v * blocks * one
+            if v == 1:
+                assert peaks[0] == p * stage_microbatch
+            else:
+                assert peaks[0] == (v * p + p - 1) * one
+                assert peaks[1] == (v * p + p - 3) * one
+                assert peaks[0] / stage_microbatch == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    with pytest.raises(ValueError, match="Interleaved1F1B"):
+        pipeline.torch_runs.torch_activation_peak("1F1B", 4, 2)

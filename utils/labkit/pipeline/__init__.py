@@ -11,12 +11,14 @@ S = v p virtual stages, chunk c of rank r = virtual stage c p + r. Actions: F (f
 (backward), I and W (the input-gradient and weight-gradient halves of a backward).
 
 Modules: `schedules.py` (Action, parsing and printing, GPipe, interleaved 1F1B for v >= 2, the
-zero-bubble variant of a given 1F1B, torch's own orders), `analysis.py` (check_schedule:
+zero-bubble variant of a given 1F1B, torch's own orders and tables, the V layout of ZB-V and
+DualPipeV), `analysis.py` (check_schedule:
 structure, deadlocks with buffered and blocking sends, unit-cost timeline and bubble, activations
 alive, link order; the bubble formulas), `bench.py` (the model cut into pieces, ragged
 microbatches, the single-process reference), `executor.py` (run_actions: one piece per rank runs
 F/B/I/W with point-to-point messages, a virtual clock, activation bytes; pipeline_step(s) for the
-bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench), `plots.py`
+bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench; the saved-activation
+peak of torch's 1F1B and interleaved 1F1B), `plots.py`
 (timelines; the measured bubble), `checks.py` (lab 5's checkers).
 
 Not here (lab 5): ZB-H2 (zero bubble with about twice 1F1B's activations), the deadlock cycle
@@ -33,6 +35,7 @@ from labkit.pipeline.plots import draw_timeline, events_timeline, measured_bubbl
 from labkit.pipeline.schedules import (KINDS, Action, action, chunks_of, format_schedule, gpipe,
                                        interleaved_1f1b, normalise, parse, placement,
                                        torch_pipeline_order, torch_schedule, torch_table_kinds,
+                                       torch_v_schedule,
                                        unit_cost,
                                        virtual_stage, zero_bubble)
 from labkit.pipeline.torch_runs import torch_step
@@ -40,7 +43,7 @@ from labkit.pipeline.torch_runs import torch_step
 __all__ = [
     "Action", "action", "normalise", "parse", "format_schedule", "chunks_of", "KINDS",
     "virtual_stage", "placement", "unit_cost", "gpipe", "interleaved_1f1b", "zero_bubble",
-    "torch_schedule", "torch_pipeline_order", "torch_table_kinds", "check_schedule", "Report",
+    "torch_schedule", "torch_pipeline_order", "torch_table_kinds", "torch_v_schedule", "check_schedule", "Report",
     "Deadlock", "validate",
     "simulate", "simulate_blocking_sends", "peak_alive", "link_order", "bubble_formula",
     "bubble_ratio_formula", "make_model", "cut", "microbatches", "reference_gradients",

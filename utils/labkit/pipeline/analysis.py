@@ -8,7 +8,8 @@ it cost?
     report.peak_alive        # per stage: most microbatches whose activations are held at once
     report.link_order        # messages one stage receives out of the order its neighbour sent them
 
-Dependencies, for microbatch i on virtual stage s = c * p + r (see schedules.py):
+Dependencies, for microbatch i on virtual stage s = c * p + r (layout "loop"), or r and 2p - 1 - r
+for chunks 0 and 1 (layout "v": ZB-V, DualPipeV; see schedules.py):
     F(i) on s     needs F(i) on s - 1          (the activation; none for s = 0)
     B(i) or I(i)  needs F(i) on s itself, and B(i) or I(i) on s + 1   (the gradient; none for the
                   last virtual stage, which computes the loss)
@@ -34,8 +35,9 @@ from labkit.pipeline.schedules import (Action, chunks_of, normalise, placement, 
 class _Graph:
     """The dependencies of a schedule, resolved to (rank, action) pairs."""
 
-    def __init__(self, schedule: list, m: int, v: int):
+    def __init__(self, schedule: list, m: int, v: int, layout: str = "loop"):
         self.schedule, self.m, self.v, self.p = schedule, m, v, len(schedule)
+        self.layout = layout
         self.S = v * self.p
         self.position = {}                         # (rank, action) -> index in the rank's list
         for rank, actions in enumerate(schedule):
@@ -54,29 +56,29 @@ class _Graph:
 
     def inputs(self, rank, a):
         """[(producer rank, producer action, what)] that `a` on `rank` waits for, in order."""
-        s = virtual_stage(rank, a.chunk, self.p)
+        s = virtual_stage(rank, a.chunk, self.p, self.layout)
         if a.kind == "F":
             if s == 0:
                 return []
-            prev_rank, prev_chunk = placement(s - 1, self.p)
+            prev_rank, prev_chunk = placement(s - 1, self.p, self.layout)
             return [(prev_rank, Action("F", a.microbatch, prev_chunk), "activation")]
         if a.kind == "W":
             return [(rank, Action("I", a.microbatch, a.chunk), "its own input gradient")]
         needs = [(rank, Action("F", a.microbatch, a.chunk), "its own forward")]
         if s < self.S - 1:
-            next_rank, next_chunk = placement(s + 1, self.p)
+            next_rank, next_chunk = placement(s + 1, self.p, self.layout)
             needs.append((next_rank, self.gradient_producer(next_rank, a.microbatch, next_chunk),
                           "gradient"))
         return needs
 
     def sends(self, rank, a):
         """[(consumer rank, what)] that `a` on `rank` sends to another rank, in order."""
-        s = virtual_stage(rank, a.chunk, self.p)
+        s = virtual_stage(rank, a.chunk, self.p, self.layout)
         if a.kind == "F" and s < self.S - 1:
-            target = placement(s + 1, self.p)[0]
+            target = placement(s + 1, self.p, self.layout)[0]
             return [(target, "activation")] if target != rank else []
         if a.kind in "BI" and s > 0:
-            target = placement(s - 1, self.p)[0]
+            target = placement(s - 1, self.p, self.layout)[0]
             return [(target, "gradient")] if target != rank else []
         return []
 
@@ -140,12 +142,12 @@ class Deadlock:
                 f"actions ran)")
 
 
-def simulate(schedule, m: int, v: int | None = None):
+def simulate(schedule, m: int, v: int | None = None, layout: str = "loop"):
     """Buffered sends, unit costs: (timeline, deadlock). timeline[(rank, action)] = (start, end)
     for every action that ran, as Fractions; deadlock is None or a Deadlock."""
     schedule = normalise(schedule)
     v = chunks_of(schedule) if v is None else v
-    graph, p = _Graph(schedule, m, v), len(schedule)
+    graph, p = _Graph(schedule, m, v, layout), len(schedule)
     position, free, end, timeline = [0] * p, [Fraction(0)] * p, {}, {}
     progressed = True
     while progressed:
@@ -169,12 +171,12 @@ def simulate(schedule, m: int, v: int | None = None):
     return timeline, Deadlock("buffered", stuck, len(timeline), total)
 
 
-def simulate_blocking_sends(schedule, m: int, v: int | None = None):
+def simulate_blocking_sends(schedule, m: int, v: int | None = None, layout: str = "loop"):
     """Blocking (rendezvous) sends: None if every stage finishes, else a Deadlock whose `stuck`
     says which operation each stage is blocked in ("send activation of F1 to stage 1")."""
     schedule = normalise(schedule)
     v = chunks_of(schedule) if v is None else v
-    graph, p = _Graph(schedule, m, v), len(schedule)
+    graph, p = _Graph(schedule, m, v, layout), len(schedule)
     programs = []                     # per rank: [("recv", producer_rank, producer, what) |
     for rank, actions in enumerate(schedule):        # ("compute", a) | ("send", to, a, what)]
         program = []
@@ -238,13 +240,13 @@ def peak_alive(schedule) -> list:
     return peaks
 
 
-def link_order(schedule, m: int, v: int | None = None) -> list:
+def link_order(schedule, m: int, v: int | None = None, layout: str = "loop") -> list:
     """Links on which the receiver consumes messages in another order than the sender sent them,
     as sentences. gloo matches messages by tag and does not mind; NCCL ignores tags and delivers
     in order, so an executor on NCCL needs this list empty (or a receive posted per message)."""
     schedule = normalise(schedule)
     v = chunks_of(schedule) if v is None else v
-    graph, p = _Graph(schedule, m, v), len(schedule)
+    graph, p = _Graph(schedule, m, v, layout), len(schedule)
     sent, received = {}, {}
     for rank, actions in enumerate(schedule):
         for a in actions:
@@ -303,26 +305,30 @@ class Report:
             raise ValueError(f"the schedule cannot finish: {self.deadlock}")
 
 
-def check_schedule(schedule, m: int, v: int | None = None) -> Report:
+def check_schedule(schedule, m: int, v: int | None = None, layout: str = "loop") -> Report:
     """Check a schedule for p = len(schedule) stages and m microbatches (v chunks per stage,
     read from the schedule by default): structure, deadlocks under both send models, the unit-cost
-    timeline and bubble, peak activations alive, link order. Never raises on a bad schedule:
-    the report says what is wrong (`report.raise_if_not_ok()` to stop)."""
+    timeline and bubble, peak activations alive, link order. layout: where a rank's chunks sit
+    in the model, "loop" (chunk c of rank r = virtual stage c p + r) or "v" (two chunks, r and
+    2p - 1 - r: ZB-V, DualPipeV). Never raises on a bad schedule: the report says what is wrong
+    (`report.raise_if_not_ok()` to stop)."""
     schedule = normalise(schedule)
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"m must be an integer >= 1, got {m!r}")
     v = chunks_of(schedule) if v is None else v
     p = len(schedule)
     problems = validate(schedule, m, v)
-    timeline, deadlock = simulate(schedule, m, v)
-    blocking = simulate_blocking_sends(schedule, m, v)
+    if layout == "v" and v != 2:
+        raise ValueError(f"the V layout has exactly two chunks per rank, the schedule has v = {v}")
+    timeline, deadlock = simulate(schedule, m, v, layout)
+    blocking = simulate_blocking_sends(schedule, m, v, layout)
     makespan = max((end for _, end in timeline.values()), default=Fraction(0))
     busy = [sum((unit_cost(a.kind, v) for a in actions), Fraction(0)) for actions in schedule]
     bubble = None
     if not problems and deadlock is None and makespan:
         bubble = 1 - sum(busy) / (p * makespan)
     return Report(p, m, v, problems, deadlock, blocking, timeline, makespan, busy, bubble,
-                  peak_alive(schedule), link_order(schedule, m, v) if not problems else [])
+                  peak_alive(schedule), link_order(schedule, m, v, layout) if not problems else [])
 
 
 # ---- the formulas the chapter checks -----------------------------------------------------------

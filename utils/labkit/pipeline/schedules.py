@@ -107,14 +107,36 @@ def chunks_of(schedule) -> int:
 
 # ---- the virtual-stage map ---------------------------------------------------------------------
 
-def virtual_stage(rank: int, chunk: int, p: int) -> int:
-    """s = chunk * p + rank: where chunk `chunk` of rank `rank` sits in the model's layer order."""
-    return chunk * p + rank
+LAYOUTS = ("loop", "v")
 
 
-def placement(s: int, p: int) -> tuple:
-    """(rank, chunk) that holds virtual stage s: (s mod p, s // p)."""
-    return s % p, s // p
+def virtual_stage(rank: int, chunk: int, p: int, layout: str = "loop") -> int:
+    """Where chunk `chunk` of rank `rank` sits in the model's layer order.
+
+    layout "loop" (Megatron's interleaving, torch's Interleaved1F1B): s = chunk * p + rank.
+    layout "v" (ZB-V, DualPipeV: two chunks per rank, torch's `generate_stage_to_rank_mapping(...,
+    style="v")`): chunk 0 of rank r is virtual stage r, chunk 1 is 2p - 1 - r, so rank p - 1
+    holds the two middle stages and rank 0 the first and the last."""
+    if layout == "loop":
+        return chunk * p + rank
+    if layout == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"the V layout has two chunks per rank (0 and 1), got chunk {chunk}")
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def placement(s: int, p: int, layout: str = "loop") -> tuple:
+    """(rank, chunk) that holds virtual stage s: (s mod p, s // p) looped; in the V layout
+    (s, 0) for s < p and (2p - 1 - s, 1) after."""
+    if layout == "loop":
+        return s % p, s // p
+    if layout == "v":
+        if not 0 <= s < 2 * p:
+            raise ValueError(f"the V layout of p = {p} ranks has virtual stages 0..{2 * p - 1}, "
+                             f"got {s}")
+        return (s, 0) if s < p else (2 * p - 1 - s, 1)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 # ---- unit costs --------------------------------------------------------------------------------
@@ -297,8 +319,8 @@ def torch_schedule(name: str, p: int, m: int, v: int = 1) -> list:
 def torch_table_kinds(name: str, p: int, m: int) -> dict:
     """How many actions of each kind torch's V-shaped tables ("ZBVZeroBubble", "DualPipeV": two
     chunks per rank, rank r holding virtual stages r and 2p - 1 - r) list over all ranks, e.g.
-    {"F": 2pm, "I": ..., "W": ..., "OVERLAP_F_B": ...}. The checker's virtual-stage map is the
-    looped one, so these tables are counted here, not scheduled."""
+    {"F": 2pm, "I": ..., "W": ..., "OVERLAP_F_B": ...}. To score a table (bubble, deadlocks,
+    memory), read it with `torch_v_schedule` and check it with `check_schedule(..., layout="v")`."""
     from types import SimpleNamespace
     import torch
     from torch.distributed import pipelining
@@ -314,6 +336,42 @@ def torch_table_kinds(name: str, p: int, m: int) -> dict:
             if a is not None:
                 kinds[a.computation_type.name] = kinds.get(a.computation_type.name, 0) + 1
     return kinds
+
+
+def torch_v_schedule(name: str, p: int, m: int) -> list:
+    """The table of torch's V-shaped schedules ("ZBVZeroBubble", "DualPipeV") as a schedule in
+    the V layout (check it with `check_schedule(..., layout="v")`): each class's
+    `pipeline_order` (torch 2.13, `torch/distributed/pipelining/schedules.py`), idle slots
+    dropped, chunk 0 = virtual stage r, chunk 1 = 2p - 1 - r. DualPipeV's OVERLAP_F_B, one
+    chunk's forward run together with another's full backward (so that on GPUs one's
+    communication hides behind the other's compute), becomes its two sub-actions in torch's
+    order, F then B: on the checker's unit clock they take the sum of their costs."""
+    from types import SimpleNamespace
+    import torch
+    from torch.distributed import pipelining
+    _check_sizes(p, m)
+    if name not in TORCH_V_SCHEDULES:
+        raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, got {name!r}")
+    stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=0, stage_index=index,
+                              submod=torch.nn.Identity()) for index in (0, 2 * p - 1)]
+    table = getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
+    schedule = []
+    for rank in range(p):
+        actions = []
+        for a in table[rank]:
+            if a is None:
+                continue
+            for one in (a.sub_actions or (a,)):
+                kind = one.computation_type.value
+                if kind not in KINDS:
+                    raise ValueError(f"torch's {name} table has {one!r}, which is not F, B, I or W")
+                placed_rank, chunk = placement(one.stage_index, p, "v")
+                if placed_rank != rank:
+                    raise ValueError(f"torch's {name} table puts {one!r} on rank {rank}; the V "
+                                     f"layout puts stage {one.stage_index} on rank {placed_rank}")
+                actions.append(Action(kind, one.microbatch_index, chunk))
+        schedule.append(actions)
+    return schedule
 
 
 def torch_pipeline_order(name: str, p: int, m: int) -> list:

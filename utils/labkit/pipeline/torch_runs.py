@@ -88,3 +88,63 @@ def torch_step(name: str, case: dict, v: int = 1, costs=None, mean_loss: bool = 
         grads.update(pieces[virtual_stage(rank, chunk, p)].gradients())
     return {"grads": grads, "events": [e[:4] for e in events],
             "order": [Action(kind, microbatch, chunk) for kind, microbatch, _, _, chunk in events]}
+
+
+class _Blocks(torch.nn.Module):
+    """One chunk of `layers` residual GELU blocks, [b, T, H] -> [b, T, H], in float64. Its input is
+    copied first: torch hands the first stage views of one batch tensor (`tensor_split` in
+    `pipelining/microbatch.py`), and a saved view would count the whole batch's storage; the
+    copy is saved instead, as a received activation is on every other stage. Saved for backward
+    per block: the linear's input and the GELU's input, 2 [b, T, H] storages."""
+
+    def __init__(self, layers: int, hidden: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, dtype=torch.float64)
+                                          for _ in range(layers))
+        with torch.no_grad():
+            for block in self.blocks:
+                block.weight.copy_(torch.randn(block.weight.shape, generator=g,
+                                               dtype=torch.float64) / hidden ** 0.5)
+
+    def forward(self, x):                           # x: [b, T, H]
+        x = x.clone()
+        for block in self.blocks:
+            x = x + torch.nn.functional.gelu(block(x))
+        return x
+
+
+def torch_activation_peak(name: str, m: int, v: int = 1, layers_per_chunk: int = 1,
+                          b: int = 2, T: int = 6, hidden: int = 16) -> dict:
+    """On every rank: one step of torch's `Schedule1F1B` (v = 1) or `ScheduleInterleaved1F1B`
+    (v >= 2 chunks per rank, looped placement) on a stack of v p `layers_per_chunk`-block chunks,
+    with every tensor autograd saves counted as it is saved and freed (ActivationMeter, the
+    pipeline's weights left out). Returns {"peak_bytes": the most bytes saved at once on this
+    rank, "one_chunk_microbatch": 2 layers_per_chunk b T H x 8, the bytes one microbatch
+    saves in one chunk by the block's ops (the formula the peak is compared with)}.
+    Chapter 5, section 5: interleaving's first-stage penalty p (1 + (p-1)/(p v))."""
+    from torch.distributed import pipelining
+    from labkit import device
+    from labkit.pipeline.executor import ActivationMeter
+    if name not in ("1F1B", "Interleaved1F1B") or (name == "1F1B") != (v == 1):
+        raise ValueError(f"name and v must be ('1F1B', 1) or ('Interleaved1F1B', v >= 2), got "
+                         f"({name!r}, {v})")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = [_Blocks(layers_per_chunk, hidden, seed=virtual_stage(rank, c, p)).to(device())
+              for c in range(v)]
+    stages = [pipelining.PipelineStage(chunk, virtual_stage(rank, c, p), p * v, device())
+              for c, chunk in enumerate(chunks)]
+    meter = ActivationMeter([q for chunk in chunks for q in chunk.parameters()])
+    cls = getattr(pipelining, CLASSES[name])
+    schedule = cls(stages if v > 1 else stages[0], m, loss_fn=lambda out, y: out.square().sum(),
+                   scale_grads=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m * b, T, hidden, generator=g, dtype=torch.float64).to(device())  # [m b, T, H]
+    with meter.hooks():
+        if rank == 0:
+            schedule.step(x, **({"target": torch.zeros_like(x)} if p == 1 else {}))
+        elif rank == p - 1:
+            schedule.step(target=torch.zeros_like(x))
+        else:
+            schedule.step()
+    return {"peak_bytes": meter.peak, "one_chunk_microbatch": 2 * layers_per_chunk * b * T * hidden * 8}
