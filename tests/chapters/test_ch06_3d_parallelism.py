@@ -28,9 +28,8 @@ FEW = settings(max_examples=40, derandomize=True, deadline=None, database=None,
 
 
 def _source(grade_id):
-    import nbformat
-    return next(c.source for c in nbformat.read(str(SOLUTION), as_version=4).cells
-                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    import lab_notebooks           # json, not nbformat: this module is imported in every rank
+    return lab_notebooks.answer(SOLUTION.parent.name, grade_id)
 
 
 def _define(source, name):
@@ -599,3 +598,120 @@ def test_each_wrong_answer_of_task2_fails_exactly_its_cells(name, lost, hint):
         labkit.shutdown_all()
     assert _failed(outcome) == lost, outcome
     assert any(hint in str(outcome[cell]) for cell in lost), outcome
+
+
+# ---- the third edition's pieces: wire, pictures, clipping on ZeRO-1 shards, crossovers ---------
+
+def test_bytes_by_relation_sums_each_pair_by_the_group_it_shares():
+    from labkit.mesh import wire
+    dims = (2, 2, 2)
+    matrix = [[0] * 8 for _ in range(8)]
+    matrix[0][1] = 10          # tp twins (t differs)
+    matrix[0][2] = 20          # pp neighbours (p differs)
+    matrix[0][4] = 40          # dp replicas (d differs)
+    matrix[0][7] = 70          # differ in all three: nothing should flow there
+    got = wire.bytes_by_relation(matrix, dims)
+    assert got == {"tp": 10 / 8, "pp": 20 / 8, "dp": 40 / 8, "none": 70 / 8}
+    assert [wire.relation(0, b, dims) for b in (1, 2, 4, 3, 7)] == ["tp", "pp", "dp", "none", "none"]
+    with pytest.raises(ValueError, match="8 ranks"):
+        wire.bytes_by_relation([[0] * 4 for _ in range(4)], dims)
+
+
+def test_pictures_colour_one_group_per_colour_and_draw_the_step():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from labkit.mesh import pictures
+    axes = pictures.draw_mesh((2, 2, 2), gpus_per_node=4)
+    assert [ax.get_title().split(":")[0] for ax in axes] == ["tp", "pp", "dp"]
+    assert "cross nodes" in axes[2].get_title() and "inside a node" in axes[0].get_title()
+    # one result per rank, events (kind, microbatch, wall start, wall end, virtual start, end)
+    results = [{"events": [("F", 0, 0.0, 1.0, float(r // 2 % 2), float(r // 2 % 2) + 1)]}
+               for r in range(8)]
+    ax = pictures.draw_step(results, (2, 2, 2))
+    assert len(ax.get_yticks()) == 8
+    with pytest.raises(ValueError, match="clock=True"):
+        pictures.draw_step([{"events": [("F", 0, 0.0, 1.0, None, None)]}] * 8, (2, 2, 2))
+    plt.close("all")
+
+
+def _clipped_norm_on_zero1(dims, seed, max_norm, mistake=None):
+    """One SGD step of the chapter's GPT on a dp x pp x tp mesh, clipped on ZeRO-1's shards (tp
+    shards once, replicated parameters on tp rank 0, everything summed over the world)."""
+    dp, pp, tp = dims
+    device_mesh = mesh.device_mesh(dims)
+    pp_rank, tp_rank = device_mesh.get_local_rank("pp"), device_mesh.get_local_rank("tp")
+    stage = mesh.Stage(mesh.make_model(seed), pp_rank, pp)
+    mesh.tensor_parallel(stage, device_mesh["tp"])
+    zero1 = mesh.Zero1(stage.parameters(), device_mesh.get_group("dp"), "sgd")
+    tokens, targets = mesh.batches(seed=3, steps=1, dp=dp, m=2)
+    d = device_mesh.get_local_rank("dp")
+    tokens, targets = tokens[0, d], targets[0, d]                         # [m, b, T]
+    m, b, T = tokens.shape
+    pipeline.run_actions(pipeline.torch_schedule("1F1B", pp, m)[pp_rank], stage,
+                         (b, T, mesh.model.HIDDEN), tokens if pp_rank == 0 else None,
+                         targets if pp_rank == pp - 1 else None, group=device_mesh.get_group("pp"))
+    grad = zero1.reduce_gradients()
+    once = [torch.full_like(mesh.local(p), float(tp_rank == 0 or not mesh.is_replicated(p)
+                                                 or mistake == "every tp rank"))
+            for p in zero1.params]
+    squares = (grad.square() * zero1.shard_of(once)).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    zero1.apply()
+    return norm, mesh.local_weights(stage)
+
+
+@pytest.mark.timeout(300)
+def test_global_norm_on_zero1_shards_clips_as_one_process(world4):
+    """Chapter 6, section 3: the norm of the whole gradient from ZeRO-1's shards on meshes with
+    tp = 2 and pp = 2 and dp = 2, and the clipped step, equal one process's clip_grad_norm_; a
+    norm that counts replicated parameters on every tp rank does not."""
+    for dims in ((2, 1, 2), (1, 2, 2), (2, 2, 1)):
+        tokens, targets = mesh.batches(seed=3, steps=1, dp=dims[0], m=2)
+        model = mesh.make_model(0)
+        mesh.model.step_loss(model, tokens[0], targets[0]).backward()
+        whole = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), whole / 3)
+        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9).step()
+        due = dict(model.named_parameters())
+        results = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3)
+        for r, (norm, weights) in enumerate(results):
+            assert norm == pytest.approx(whole, rel=1e-10)
+            t = mesh.coordinates(r, *dims)["tp"]
+            for name, got in weights.items():
+                torch.testing.assert_close(got, mesh.local_shard(name, due[name].detach(), t, dims[2]),
+                                           rtol=1e-10, atol=1e-12)
+        if dims[2] > 1:
+            wrong = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3, "every tp rank")
+            assert all(norm > 1.01 * whole for norm, _ in wrong)
+
+
+def test_tp_crossover_width_is_where_the_model_says_tp_time_equals_compute():
+    """Chapter 6, section 4: T_tp / T_compute = 2(t-1)/9 P/bw / (h + s/6 + V/12L) without a
+    pipeline; the model's own crossing width (the smallest h where tp takes no longer than the
+    compute) is the closed form's h*, rounded up, for t = 2, 4, 8 on NVLink and InfiniBand."""
+    P = figures.DGX_A100.peak_flops * cost.EFFICIENCY
+    for t in (2, 4, 8):
+        for inter in (False, True):
+            cluster = (dataclasses.replace(figures.DGX_A100, gpus_per_node=1, nodes=t) if inter
+                       else figures.DGX_A100.with_nodes(1))
+            bw = cluster.inter_bw if inter else cluster.intra_bw
+            L, s, V = 24, 2048, 51200
+            h_star = 2 * (t - 1) / 9 * P / bw - s / 6 - V / (12 * L)
+            if h_star < 8:
+                continue
+
+            def bound(h):
+                config = {"dp": cluster.gpus // t, "tp": t, "pp": 1, "zero_stage": 1,
+                          "microbatches": 1}
+                c = cost.predict(figures.Model("probe", L, h, 8), cluster, config,
+                                 cluster.gpus // t, recompute="none", alpha=0.0)["breakdown"]
+                return c["tp"] > c["compute"]
+            low, high = 1, 200_000                    # bound(low), not bound(high)
+            assert bound(low) and not bound(high)
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (mid, high) if bound(mid) else (low, mid)
+            assert high == math.ceil(h_star) or abs(high - h_star) < 1, (t, inter, high, h_star)
