@@ -43,6 +43,12 @@ $(STAMP): pyproject.toml
 	  status=$${PIPESTATUS[0]}; \
 	  if [ $$status -ne 0 ]; then echo "setup: pip install failed (exit $$status); run it again to see pip's full output: $(BIN)/python -m pip install -e '.[test,instructor]'" >&2; exit $$status; fi; \
 	  echo "setup 2/3: done in $$(( $$(date +%s) - start )) s"
+	@# jsonschema imports rfc3987-syntax, when installed, to check the `iri` format, and that
+	@# module compiles 38 Lark grammars at import: 1 s of every process that imports nbformat
+	@# (each grader, papermill run, Jupyter server; 4-10 s on a busy 2-core machine). No notebook
+	@# or Jupyter schema uses `iri`; without the module jsonschema leaves that one format
+	@# unchecked (jsonschema/_format.py, `with suppress(ImportError)`; upstream issue #1428).
+	@$(BIN)/python -m pip uninstall -y -q rfc3987-syntax 2>/dev/null || true
 	@echo "setup 3/3: registering the Jupyter kernel 'labkit'"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
 	@touch $@

@@ -1,5 +1,6 @@
 """Fast checks of the grader's pieces (no kernel, no sandbox)."""
 import os
+import tempfile
 
 import pytest
 
@@ -135,3 +136,30 @@ def test_a_cell_counts_as_covered_only_by_a_mistake_confined_to_its_task():
     assert covered_cells(cells, scores, changed) == {"test_task1_traffic", "test_task2_only"}
     del scores["shortcut"]
     assert covered_cells(cells, scores, changed) == {"test_task2_only"}
+
+
+def test_the_gradebook_stamp_read_in_process_is_nbgraders_own():
+    """labkit stamps a new gradebook with the alembic head read in-process; nbgrader asks
+    `alembic heads` in a subprocess (what get_alembic_version runs). Both must name the same
+    revision, and a gradebook made with the in-process answer carries it."""
+    import subprocess
+    import sys
+    from nbgrader import dbutil
+    from labkit.grading import pipeline
+    bindir = os.path.dirname(sys.executable)
+    with dbutil._temp_alembic_ini("sqlite:////nonexistent/gradebook.db") as ini:
+        printed = subprocess.check_output([os.path.join(bindir, "alembic"), "-c", ini, "heads"])
+    theirs = printed.decode().split("\n")[0].split(" ")[0]
+    assert theirs and pipeline.alembic_head_in_process() == theirs
+    pipeline.use_alembic_head_in_process()
+    from nbgrader.api import Gradebook
+    import sqlalchemy
+    with tempfile.TemporaryDirectory() as folder:
+        url = f"sqlite:///{folder}/gradebook.db"
+        Gradebook(url).close()
+        engine = sqlalchemy.create_engine(url)
+        with engine.connect() as connection:
+            stamped = connection.execute(sqlalchemy.text(
+                "SELECT version_num FROM alembic_version")).scalar()
+        engine.dispose()
+    assert stamped == theirs

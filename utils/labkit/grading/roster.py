@@ -285,6 +285,8 @@ def export_feedback(lab: str, out: str, grading: str | None = None, db: str | No
     if grading is None:
         grading = os.path.join(find_course_root(course), "grading", lab)
     db_url = find_gradebook(lab, db=db, grading=grading, course=course, command="export")
+    from labkit.grading.pipeline import use_alembic_head_in_process
+    use_alembic_head_in_process()
     with Gradebook(db_url) as gb:
         try:
             gb.find_assignment(lab)
