@@ -5,7 +5,9 @@ state as a figure, checked against labkit and against arithmetic done here.
 - chapter 5's GPipe generator and buffered-send simulation, written in the notebook, agree with
   labkit.pipeline on every schedule of random shapes and orders, deadlocked ones included;
 - chapter 5's table of bytes per layer per step (pipeline, tensor, data parallel) against the
-  three formulas computed here from scratch.
+  three formulas computed here from scratch;
+- torch's V-shaped tables (ZB-V, DualPipeV) scored in the V layout, and the layout's own map;
+- interleaving's first-stage penalty in bytes of saved activations on torch's executor (p = 3).
 """
 import ast
 import json
