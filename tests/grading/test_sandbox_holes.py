@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 from grading_helpers import needs_root_sandbox
 from labkit.errors import CallTimeout, RankError
@@ -69,13 +70,54 @@ def _probe_here(seccomp):
 
 
 @pytest.fixture(scope="module")
-def box(tmp_path_factory):
+def template():
+    """The run's rank starter template, as `labkit grade` starts it: every hole below is probed
+    through a starter forked from it (the path every graded rank takes)."""
+    with ranks.RankStarterTemplate() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory, template):
     sandbox = Sandbox(str(tmp_path_factory.mktemp("holes") / "run"))
     sandbox.start()
-    zygote = Zygote(sandbox, sandbox.private_dir())
+    zygote = Zygote(sandbox, sandbox.private_dir(), template=template.path)
+    assert zygote.forked, zygote.log_tail()
     yield sandbox, zygote
     zygote.close()
     sandbox.close()
+
+
+def test_a_starter_of_its_own_when_the_template_cannot_answer(tmp_path):
+    """No template at the path given: the sandbox's starter is an interpreter of its own (the
+    log says why), and its ranks run."""
+    sandbox = Sandbox(str(tmp_path / "run"))
+    sandbox.start()
+    try:
+        zygote = Zygote(sandbox, sandbox.private_dir(), template=str(tmp_path / "no-template"))
+        try:
+            assert not zygote.forked and "template did not answer" in zygote.log_tail()
+            w = SandboxWorld(2, sandbox, timeout=30, zygote=zygote)
+            try:
+                assert w.run(lambda: dist.get_rank() + 10) == [10, 11]
+            finally:
+                w.close()
+        finally:
+            zygote.close()
+    finally:
+        sandbox.close()
+
+
+def test_the_template_is_out_of_reach_of_other_users(template):
+    """Its socket's folder is the grader's alone: a process of another uid cannot connect (and
+    the template would refuse it by SO_PEERCRED if it could)."""
+    assert os.stat(template.folder).st_mode & 0o777 == 0o700
+    code = ("import os, socket, sys\nos.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n"
+            "except PermissionError:\n    print('refused')\nelse:\n    print('connected')\n")
+    out = subprocess.run([sys.executable, "-c", code, template.path], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "refused", (out.stdout, out.stderr)
 
 
 @pytest.fixture

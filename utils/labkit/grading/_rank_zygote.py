@@ -4,6 +4,9 @@ Started by the trusted grader (grading/ranks.py) as root, on the host, once per 
 
     python -I _rank_zygote.py SPEC.json CONTROL_FD
 
+or forked, once per sandbox, from the run's template (`python -I _rank_zygote.py --template
+LISTEN_FD`, one per `labkit grade` run; see `_template`), which saves each submission the import.
+
 Importing torch takes a second or more; a sandbox needs a dozen ranks over a submission. So this
 process enters the sandbox once, imports torch and labkit's rank worker (code of the read-only
 install, before any student code exists anywhere near it), and then forks one child per rank on
@@ -29,6 +32,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,19 +102,29 @@ def _start_rank(spec, control, request, fds, own_fds):
         os.close(pidfd)
 
 
-def main():
-    _proc.die_with_parent(leave_if_orphan=True)
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    control = socket.socket(fileno=int(sys.argv[2]))
+def _enter(spec):
+    """Into the sandbox's network, UTS, PID (for the children) and mount namespaces, with an IPC
+    namespace of this process's own. A process can join a mount namespace only while it shares
+    its filesystem attributes with no other (one thread: true here, and in a fresh fork)."""
     for kind in ("net", "uts", "pid", "mnt"):
         rank_init._setns(spec["sandbox_pid"], kind)
     rank_init._check(rank_init._libc.unshare(rank_init.CLONE_NEWIPC), "unshare ipc")
+
+
+def _import_rank_code():
+    """What every rank imports: once, in the process that forks them."""
     import torch  # noqa: F401  (the point of this process: imported once, before any fork)
     import torch._dynamo  # noqa: F401  (an optimizer's first step would import it in each rank)
     import torch.distributed  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401  (chapters 8 and 9)
     from labkit.runtime import worker  # noqa: F401
+    graders = sorted(name for name in sys.modules if name.startswith("labkit.grading.references"))
+    if graders:                 # the ranks' memory must never hold the grader's references
+        raise RuntimeError(f"the rank code imported the grader's references: {graders}")
+
+
+def _serve(spec, control):
+    """Fork one rank per request on `control` until the grader closes it."""
     # a rank's end wakes select() at once: the handler alone would not (PEP 475 retries select),
     # the byte the wakeup fd gets does
     wake_read, wake_write = os.pipe()
@@ -149,6 +163,91 @@ def main():
                 os._exit(113)
             _start_rank(spec, control, request, fds[:wanted], (wake_read, wake_write))
             fds = fds[wanted:]
+
+
+def _template(listener):
+    """The rank starter of a whole `labkit grade` run: torch imported once for every submission.
+    Each connection (from a worker of the same run: same uid, checked) brings one sandbox's spec
+    and the control socket of that sandbox's rank starter; a fork of this process enters that
+    sandbox and serves it exactly as `python -I _rank_zygote.py SPEC CONTROL_FD` would, and the
+    worker gets its pid with a pidfd. This process never enters a sandbox and runs no code of a
+    submission; what its forks inherit is the rank code and nothing else."""
+    _import_rank_code()
+    while True:
+        while True:                                       # reap the ended starters
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        connection, _ = listener.accept()
+        try:
+            _start_starter(listener, connection)
+        except Exception as error:  # noqa: BLE001 (one bad request must not stop the run's starter)
+            _proc.say(f"labkit grading: a rank starter request failed: {error!r}")
+        finally:
+            connection.close()
+
+
+def _start_starter(listener, connection):
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise PermissionError(f"a connection from uid {uid}, not the grader's ({os.getuid()})")
+    connection.settimeout(30.0)
+    data, fds = b"", []
+    while b"\n" not in data:
+        chunk, more, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+        fds += more
+        if not chunk or len(data) > MAX_REQUEST:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("an incomplete starter request")
+        data += chunk
+    request = json.loads(data.split(b"\n", 1)[0])
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a starter request came with {len(fds)} descriptors, expected 1")
+    child = os.fork()
+    if child == 0:
+        try:
+            listener.close()
+            connection.close()
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
+            _proc.die_with_parent(leave_if_orphan=True)
+            control = socket.socket(fileno=fds[0])
+            _enter(request["spec"])
+            _serve(request["spec"], control)
+        except BaseException as error:  # noqa: BLE001 (report, then leave)
+            _proc.say(f"labkit grading: cannot start a sandbox's rank starter: {error!r}")
+        finally:
+            os._exit(114)               # never back into the template's loop
+    os.close(fds[0])
+    pidfd = os.pidfd_open(child)
+    try:
+        _reply(connection, {"pid": child}, [pidfd])
+    finally:
+        os.close(pidfd)
+
+
+def main():
+    _proc.die_with_parent(leave_if_orphan=True)
+    if sys.argv[1] == "--template":
+        _template(socket.socket(fileno=int(sys.argv[2])))
+        return
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    control = socket.socket(fileno=int(sys.argv[2]))
+    _enter(spec)
+    _import_rank_code()
+    _serve(spec, control)
 
 
 if __name__ == "__main__":

@@ -630,7 +630,13 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
     log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time"
         + (f" (shard {shard_name})" if shard else ""))
     try:
-        killed = _run_workers(job_list, jobs, time_limit, log)
+        with contextlib.ExitStack() as stack:
+            if isolated and job_list:        # one interpreter imports torch for every sandbox
+                from labkit.grading.ranks import RankStarterTemplate
+                template = stack.enter_context(RankStarterTemplate())
+                for job in job_list:
+                    job["rank_template"] = template.path
+            killed = _run_workers(job_list, jobs, time_limit, log)
     finally:
         # the workers are gone (_run_workers waited for them); what they left: first every
         # process in the run's cgroups (dying with them), then their folders

@@ -165,11 +165,54 @@ class _Process:
             self.sentinel = None
 
 
+_STARTER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# one thread: after entering a PID namespace a process can start no thread
+
+
+class RankStarterTemplate:
+    """One process per `labkit grade` run that imports torch and the rank code once and forks
+    each sandbox's rank starter (grading/_rank_zygote.py's `_template`): a submission's starter
+    is then ready in milliseconds instead of the 3-5 CPU-seconds of an interpreter importing
+    torch. It listens on a unix socket in a folder only the grader can open, answers only its
+    own uid (SO_PEERCRED), and dies with the grader. `path` is what Zygote(template=...) takes."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="labkit-ranks-",
+                                       dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
+        self.path = os.path.join(self.folder, "starter")
+        self.log_path = os.path.join(self.folder, "template.log")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-I", _RANK_ZYGOTE, "--template", str(self.listener.fileno())],
+                pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, close_fds=True, env=dict(_STARTER_ENV))
+
+    def close(self):
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        self.listener.close()
+        import shutil
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+
 class Zygote:
     """The sandbox's rank starter (grading/_rank_zygote.py): torch imported once, one fork per
-    rank. One per sandbox; it dies with the grader and with its socket."""
+    rank. One per sandbox; it dies with the grader and with its socket. With `template` (a
+    RankStarterTemplate's path) it is forked from the run's template; without one, or when the
+    template cannot be reached, it is an interpreter of its own."""
 
-    def __init__(self, box, spec_dir, start_timeout=120.0):
+    def __init__(self, box, spec_dir, start_timeout=120.0, template=None):
         self.box = box
         self.exits = {}                  # pid -> wait status of ranks that ended
         self.sock, child = socket.socketpair()
@@ -180,23 +223,58 @@ class Zygote:
                             "RLIMIT_FSIZE": box.limits.file_bytes,
                             **({} if box.rank_cgroups else {"RLIMIT_AS": RANK_MEMORY_BYTES})},
                 "cgroups": [os.path.join(p, "cgroup.procs") for p in box.rank_cgroups]}
-        spec_path = os.path.join(spec_dir, "zygote.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
         self.log_path = os.path.join(spec_dir, "zygote.log")
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-I", _RANK_ZYGOTE, spec_path, str(child.fileno())],
-                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, close_fds=True,
-                # one thread: after entering a PID namespace a process can start no thread
-                env={"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-                     "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                     "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        self.popen, self.pidfd, self.forked = None, None, False
+        if template is not None:
+            self.forked = self._from_template(template, spec, child)
+        if not self.forked:
+            spec_path = os.path.join(spec_dir, "zygote.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            with open(self.log_path, "ab") as log:      # after the template's line, if any
+                self.popen = subprocess.Popen(
+                    [sys.executable, "-I", _RANK_ZYGOTE, spec_path, str(child.fileno())],
+                    pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, close_fds=True, env=dict(_STARTER_ENV))
         child.close()
         self._buffer = b""
         self._pidfds = []                # pidfds that came with "pid" messages, in order
         self._expect("ready", start_timeout)
+
+    def _from_template(self, template, spec, child) -> bool:
+        """Ask the run's template for this sandbox's starter; False (and a line in the log) when
+        it cannot answer, so the caller starts one of its own."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(60.0)
+                connection.connect(template)
+                request = {"spec": spec, "log": self.log_path}
+                socket.send_fds(connection, [json.dumps(request).encode() + b"\n"],
+                                [child.fileno()])
+                data, fds = b"", []
+                while b"\n" not in data:
+                    chunk, more, _, _ = socket.recv_fds(connection, 4096, 1)
+                    fds += more
+                    if not chunk:
+                        break
+                    data += chunk
+            if b"\n" not in data or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise RuntimeError(f"the template answered {data[:200]!r} with {len(fds)} "
+                                   "descriptors")
+            self.pid, self.pidfd = int(json.loads(data.split(b"\n", 1)[0])["pid"]), fds[0]
+            return True
+        except (OSError, RuntimeError, ValueError, KeyError) as error:
+            with open(self.log_path, "a") as log:
+                log.write(f"labkit grading: the run's rank starter template did not answer "
+                          f"({error!r}); starting one for this sandbox\n")
+            return False
+
+    def _exited(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is not None
+        return bool(select.select([self.pidfd], [], [], 0)[0])
 
     def _lines(self, timeout):
         """Messages that arrive within `timeout` seconds (exits are filed as they come)."""
@@ -229,7 +307,7 @@ class Zygote:
     def _expect(self, key, timeout):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
+            if self._exited():
                 raise RuntimeError(f"the sandbox's rank starter exited: {self.log_tail()}")
             for message in self._lines(0.2):
                 if key in message:
@@ -265,9 +343,17 @@ class Zygote:
         for fd in self._pidfds:
             os.close(fd)
         self._pidfds = []
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
+        if self.popen is not None:
+            if self.popen.poll() is None:
+                self.popen.kill()
+            self.popen.wait()
+        elif self.pidfd is not None:             # the template reaps it
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 class _ZygoteProcess:

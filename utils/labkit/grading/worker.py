@@ -265,7 +265,8 @@ class Session:
         each rank is a process of its own)."""
         from labkit.grading.ranks import Zygote
         if self._zygote is None and self.box.isolated:
-            self._zygote = Zygote(self.box, self.box.private_dir())
+            self._zygote = Zygote(self.box, self.box.private_dir(),
+                                  template=self.job.get("rank_template"))
         return self._zygote
 
     def _close_worlds(self):
