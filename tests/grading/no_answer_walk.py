@@ -28,12 +28,18 @@ TASKS = {
         "shard_bounds": ["(10, 0, 3), {}", "(10, 1, 3), {}", "(10, 2, 3), {}", "(8, 1, 2), {}"],
         "all_reduce_result": ["([[1, 2], [3, 4]], 'sum'), {}", "([[1, 5], [3, 4], [2, 0]], 'max'), {}"],
     },
-    "lab01_collectives": {"crossover_bytes": ["(1e-4, 1e-9, 2), {}", "(1e-4, 1e-9, 4), {}"]},
+    "lab01_collectives": {"crossover_bytes": ["(1e-4, 1e-9, 2), {}", "(1e-4, 1e-9, 4), {}"],
+                          "all_to_all_seconds": ["([[4, 2], [2, 4]], 1000, 1e-4, 1e-9), {}",
+                                                 "([[2, 0, 30], [5, 1, 40], [3, 8, 4]], 1024, 1e-5, 1e-9), {}"]},
     "lab03_memory_and_zero": {
         "predict_memory": ["(), dict(stage=1, P=2, layers=2, hidden=48, batch=4, seq=32)",
                            "(), dict(stage=3, P=2, layers=2, hidden=48, batch=2, seq=8)"],
-        "predict_collectives": ["(), dict(zero_stage=3, layers=2, microbatches=2)"],
+        "predict_pipeline_peaks": ["(zero_pipeline.case(zero_stage=3, reshard='step', schedule='1f1b', "
+                                   "layers=2, microbatches=4, pp=2), 2), {}",
+                                   "(zero_pipeline.case(zero_stage=3, reshard='step', schedule='gpipe', "
+                                   "layers=2, microbatches=3, pp=2), 2), {}"],
     },
+    "lab04_tensor_parallel": {"gqa_placement": ["(12, 4, 3), {}", "(32, 8, 16), {}", "(12, 2, 4), {}"]},
     "lab05_pipeline_parallel": {
         "zb_h2": ["(4, 8), {}", "(4, 3), {}"],
         "find_deadlock": ["(pipeline.gpipe(4, 3), 3), {}", "(pipeline.interleaved_1f1b(2, 4, 2), 4), {}",

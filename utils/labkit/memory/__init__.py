@@ -17,8 +17,8 @@
 | `widget` | the calculator widget and its chart |
 | `checks` | lab 3's checkers |
 
-Not here: a ZeRO-1 wrapper for any torch.optim optimizer, a memory predictor for the bench, the
-collective counts of ZeRO in a pipeline (lab 3, tasks 1-3).
+Not here: a ZeRO-1 wrapper for any torch.optim optimizer, a memory predictor for the bench,
+the peak of a pipeline stage under ZeRO's policies (lab 3, tasks 1-3).
 """
 from labkit.memory.ledger import (FP32_ADAMW, MIXED_ADAMW, Recipe, activation_bytes_per_layer,  # noqa: F401
                                   model_states, per_rank_ledger, rank_bytes, split_bytes,
