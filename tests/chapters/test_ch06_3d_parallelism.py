@@ -411,6 +411,59 @@ def test_sequence_parallel_layernorm_gradients_need_the_reduction_over_tp(world4
         torch.testing.assert_close(full, due[r], rtol=1e-12, atol=1e-12)
 
 
+def _clipped_norm_on_zero1(dims, seed, max_norm, mistake=None):
+    """One SGD step of the chapter's GPT on a dp x pp x tp mesh, clipped on ZeRO-1's shards (tp
+    shards once, replicated parameters on tp rank 0, everything summed over the world)."""
+    dp, pp, tp = dims
+    device_mesh = mesh.device_mesh(dims)
+    pp_rank, tp_rank = device_mesh.get_local_rank("pp"), device_mesh.get_local_rank("tp")
+    stage = mesh.Stage(mesh.make_model(seed), pp_rank, pp)
+    mesh.tensor_parallel(stage, device_mesh["tp"])
+    zero1 = mesh.Zero1(stage.parameters(), device_mesh.get_group("dp"), "sgd")
+    tokens, targets = mesh.batches(seed=3, steps=1, dp=dp, m=2)
+    d = device_mesh.get_local_rank("dp")
+    tokens, targets = tokens[0, d], targets[0, d]                         # [m, b, T]
+    m, b, T = tokens.shape
+    pipeline.run_actions(pipeline.torch_schedule("1F1B", pp, m)[pp_rank], stage,
+                         (b, T, mesh.model.HIDDEN), tokens if pp_rank == 0 else None,
+                         targets if pp_rank == pp - 1 else None, group=device_mesh.get_group("pp"))
+    grad = zero1.reduce_gradients()
+    once = [torch.full_like(mesh.local(p), float(tp_rank == 0 or not mesh.is_replicated(p)
+                                                 or mistake == "every tp rank"))
+            for p in zero1.params]
+    squares = (grad.square() * zero1.shard_of(once)).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    zero1.apply()
+    return norm, mesh.local_weights(stage)
+
+
+@pytest.mark.timeout(300)
+def test_global_norm_on_zero1_shards_clips_as_one_process(world4):
+    """Chapter 6, section 3: the norm of the whole gradient from ZeRO-1's shards on meshes with
+    tp = 2 and pp = 2 and dp = 2, and the clipped step, equal one process's clip_grad_norm_; a
+    norm that counts replicated parameters on every tp rank does not."""
+    for dims in ((2, 1, 2), (1, 2, 2), (2, 2, 1)):
+        tokens, targets = mesh.batches(seed=3, steps=1, dp=dims[0], m=2)
+        model = mesh.make_model(0)
+        mesh.model.step_loss(model, tokens[0], targets[0]).backward()
+        whole = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), whole / 3)
+        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9).step()
+        due = dict(model.named_parameters())
+        results = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3)
+        for r, (norm, weights) in enumerate(results):
+            assert norm == pytest.approx(whole, rel=1e-10)
+            t = mesh.coordinates(r, *dims)["tp"]
+            for name, got in weights.items():
+                torch.testing.assert_close(got, mesh.local_shard(name, due[name].detach(), t, dims[2]),
+                                           rtol=1e-10, atol=1e-12)
+        if dims[2] > 1:
+            wrong = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3, "every tp rank")
+            assert all(norm > 1.01 * whole for norm, _ in wrong)
+
+
 @pytest.mark.timeout(400)
 def test_reference_step_as_a_library(world4):
     """The lab's train_3d the way a training loop uses it: every mesh of 4 ranks, several steps,
@@ -635,59 +688,6 @@ def test_pictures_colour_one_group_per_colour_and_draw_the_step():
     plt.close("all")
 
 
-def _clipped_norm_on_zero1(dims, seed, max_norm, mistake=None):
-    """One SGD step of the chapter's GPT on a dp x pp x tp mesh, clipped on ZeRO-1's shards (tp
-    shards once, replicated parameters on tp rank 0, everything summed over the world)."""
-    dp, pp, tp = dims
-    device_mesh = mesh.device_mesh(dims)
-    pp_rank, tp_rank = device_mesh.get_local_rank("pp"), device_mesh.get_local_rank("tp")
-    stage = mesh.Stage(mesh.make_model(seed), pp_rank, pp)
-    mesh.tensor_parallel(stage, device_mesh["tp"])
-    zero1 = mesh.Zero1(stage.parameters(), device_mesh.get_group("dp"), "sgd")
-    tokens, targets = mesh.batches(seed=3, steps=1, dp=dp, m=2)
-    d = device_mesh.get_local_rank("dp")
-    tokens, targets = tokens[0, d], targets[0, d]                         # [m, b, T]
-    m, b, T = tokens.shape
-    pipeline.run_actions(pipeline.torch_schedule("1F1B", pp, m)[pp_rank], stage,
-                         (b, T, mesh.model.HIDDEN), tokens if pp_rank == 0 else None,
-                         targets if pp_rank == pp - 1 else None, group=device_mesh.get_group("pp"))
-    grad = zero1.reduce_gradients()
-    once = [torch.full_like(mesh.local(p), float(tp_rank == 0 or not mesh.is_replicated(p)
-                                                 or mistake == "every tp rank"))
-            for p in zero1.params]
-    squares = (grad.square() * zero1.shard_of(once)).sum()
-    dist.all_reduce(squares)
-    norm = squares.sqrt().item()
-    grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
-    zero1.apply()
-    return norm, mesh.local_weights(stage)
-
-
-@pytest.mark.timeout(300)
-def test_global_norm_on_zero1_shards_clips_as_one_process(world4):
-    """Chapter 6, section 3: the norm of the whole gradient from ZeRO-1's shards on meshes with
-    tp = 2 and pp = 2 and dp = 2, and the clipped step, equal one process's clip_grad_norm_; a
-    norm that counts replicated parameters on every tp rank does not."""
-    for dims in ((2, 1, 2), (1, 2, 2), (2, 2, 1)):
-        tokens, targets = mesh.batches(seed=3, steps=1, dp=dims[0], m=2)
-        model = mesh.make_model(0)
-        mesh.model.step_loss(model, tokens[0], targets[0]).backward()
-        whole = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), whole / 3)
-        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9).step()
-        due = dict(model.named_parameters())
-        results = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3)
-        for r, (norm, weights) in enumerate(results):
-            assert norm == pytest.approx(whole, rel=1e-10)
-            t = mesh.coordinates(r, *dims)["tp"]
-            for name, got in weights.items():
-                torch.testing.assert_close(got, mesh.local_shard(name, due[name].detach(), t, dims[2]),
-                                           rtol=1e-10, atol=1e-12)
-        if dims[2] > 1:
-            wrong = world4.run(_clipped_norm_on_zero1, dims, 0, whole / 3, "every tp rank")
-            assert all(norm > 1.01 * whole for norm, _ in wrong)
-
-
 def test_tp_crossover_width_is_where_the_model_says_tp_time_equals_compute():
     """Chapter 6, section 4: T_tp / T_compute = 2(t-1)/9 P/bw / (h + s/6 + V/12L) without a
     pipeline; the model's own crossing width (the smallest h where tp takes no longer than the
@@ -715,3 +715,16 @@ def test_tp_crossover_width_is_where_the_model_says_tp_time_equals_compute():
                 mid = (low + high) // 2
                 low, high = (mid, high) if bound(mid) else (low, mid)
             assert high == math.ceil(h_star) or abs(high - h_star) < 1, (t, inter, high, h_star)
+
+
+def test_moe_dp_bytes_reduce_dense_over_dp_and_experts_over_dp_over_ep():
+    """ep folded into dp: dense over the d replicas, the rank's 1/ep of the experts over d/ep."""
+    for dp, ep in ((4, 2), (6, 3), (8, 8), (3, 1)):
+        got = cost.moe_dp_wire_bytes(1000.0, 600.0, dp, ep, zero_stage=1)
+        due = cost.dp_wire_bytes(1000.0, dp, 1) + (cost.dp_wire_bytes(600.0 / ep, dp // ep, 1)
+                                                   if dp // ep > 1 else 0.0)
+        assert got == pytest.approx(due)
+    assert cost.moe_dp_wire_bytes(0, 600.0, 8, 8) == 0.0        # one copy of each expert: no sync
+    for bad in (3, 0, 2.0):
+        with pytest.raises(ValueError, match="divides dp"):
+            cost.moe_dp_wire_bytes(1.0, 1.0, 4, bad)

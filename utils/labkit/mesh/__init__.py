@@ -18,12 +18,14 @@
 | `figures` | quoted figures: GPUs and links of DGX A100 / H100 nodes (vendor datasheets), Megatron-LM's 2021 table |
 | `cost` | the step-time and memory model of a configuration: compute, bubble, bytes per axis, chapter 3's ledger |
 | `widget` | the configuration explorer (ipywidgets) |
+| `wire` | bytes counted on the wire, summed by how two ranks relate (same tp, pp or dp group, or none) |
+| `pictures` | the mesh by node with each axis's groups coloured; one 3D step's timeline |
 | `checks`, `train_checks` | lab 6's checkers |
 
 Not here (lab 6): a layout for any axes in any order with the node check (task 1), a 3D step with
 ragged replicas and a tied embedding (task 2), the search for the best configuration (task 3).
 """
-from labkit.mesh import cost, figures, layout, model  # noqa: F401
+from labkit.mesh import cost, figures, layout, model, pictures, wire  # noqa: F401
 from labkit.mesh.figures import CLUSTERS, DGX_A100, DGX_H100, Cluster, Model  # noqa: F401
 from labkit.mesh.layout import (AXES, axis_groups, check_world_size, coordinates,  # noqa: F401
                                 expert_groups,

@@ -27,6 +27,10 @@ sequences per microbatch, s tokens each, h hidden, 2-byte activations and weight
                FSDP2 recipes' reduce_dtype=float32), weights gathered in 2 bytes
     latency    alpha x (collectives and messages of the step)
 
+An MoE model folds expert parallelism into dp (Megatron-Core, torchtitan, DeepSpeed): the world
+stays dp x tp x pp, ep divides dp, and `moe_dp_wire_bytes` charges the dense parameters over dp
+and each rank's experts over its expert-data-parallel group of dp / ep ranks.
+
 bw_axis is the fast link inside a node when every group of the axis stays inside one node
 (`layout.inside_node`, the course's order (dp, pp, tp)), else the link between nodes. Nothing
 overlaps by default (dp_overlap=0): the model adds the parts. It is *not* a bound on a real job:
@@ -96,6 +100,30 @@ def dp_wire_bytes(psi: float, dp: int, zero_stage: int, microbatches: int = 1,
         zero_stage = 1
     per_psi = {0: 2 * g, 1: g + w, 2: w + m * g, 3: 2 * m * w + m * g}[zero_stage]
     return per_psi * (dp - 1) / dp * psi
+
+
+def moe_dp_wire_bytes(dense_psi: float, expert_psi: float, dp: int, ep: int, zero_stage: int = 1,
+                      microbatches: int = 1, reshard: str = "microbatch",
+                      grad_bytes: float = GRAD_BYTES, weight_bytes: float = BYTES) -> float:
+    """Bytes one rank sends per step over its data-parallel groups when expert parallelism is
+    folded into dp (`layout.expert_groups`; Megatron-Core's expert-data-parallel group): the
+    rank's `dense_psi` dense parameters over its whole dp group of d ranks, and its share of the
+    stage's `expert_psi` expert parameters, expert_psi / ep (its E / ep experts), over its
+    expert-data-parallel group of d / ep ranks:
+
+        dp_wire_bytes(dense_psi, d) + dp_wire_bytes(expert_psi / ep, d / ep)
+
+    (each with `dp_wire_bytes`' ZeRO stage, reshard and byte sizes; per (tp, pp) rank: pass
+    Psi / (tp pp) of each kind). The all-to-all of the tokens is chapter 7's, not counted here."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
+        raise ValueError(f"ep ({ep!r}) must be a positive int that divides dp ({dp}): expert "
+                         f"parallelism is carved out of the data-parallel ranks")
+    dense = dp_wire_bytes(dense_psi, dp, zero_stage, microbatches, reshard, grad_bytes,
+                          weight_bytes) if dp > 1 else 0.0
+    edp = dp // ep
+    experts = dp_wire_bytes(expert_psi / ep, edp, zero_stage, microbatches, reshard, grad_bytes,
+                            weight_bytes) if edp > 1 else 0.0
+    return dense + experts
 
 
 def problems(model: Model, cluster: Cluster, config: dict, global_batch: int) -> list:

@@ -3,7 +3,7 @@
     optimizer = Zero1(stage.parameters(), dp_group, "adamw", lr=1e-2)
     ... backward of every microbatch ...
     optimizer.step()          # reduce-scatter the gradients over dp, step 1/dp, all-gather
-    optimizer.zero_grad()
+    optimizer.zero_grad()     # (step = reduce_gradients(), then apply(): clip in between)
 
 What a rank of a dp x tp x pp mesh holds before ZeRO is its stage's parameters, and of each tensor-
 parallel weight only its tp shard: its *local* tensors, Psi / (tp pp) elements. Zero1 lays them out
@@ -70,7 +70,16 @@ class Zero1:
     @torch.no_grad()
     def step(self, scale=None):
         """Reduce-scatter the local gradients over dp (a missing gradient counts as zero), scale
-        the sum (default 1/dp: the mean over replicas), step this rank's slice, all-gather."""
+        the sum (default 1/dp: the mean over replicas), step this rank's slice, all-gather:
+        `reduce_gradients` then `apply`."""
+        self.reduce_gradients(scale)
+        self.apply()
+
+    @torch.no_grad()
+    def reduce_gradients(self, scale=None) -> torch.Tensor:
+        """The first half of `step`: this rank's slice [S] of the flat local gradients, summed
+        over dp and scaled (default 1/dp), kept as the master's gradient and returned. Whatever
+        is done to it in place (clipping, chapter 6) is what `apply` steps with."""
         scale = 1.0 / self.dp if scale is None else scale
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
                  for p in self.params]
@@ -80,6 +89,14 @@ class Zero1:
         else:
             summed = flat
         self.master.grad = summed.to(self.master.dtype) * scale
+        return self.master.grad
+
+    @torch.no_grad()
+    def apply(self):
+        """The second half of `step`: step this rank's slice with the master's gradient, then
+        all-gather the slices over dp into every local tensor."""
+        if self.master.grad is None:
+            raise RuntimeError("Zero1.apply before reduce_gradients: no gradient to step with")
         self.optimizer.step()
         self.master.grad = None
         mine = self.master.detach().to(self.dtype)                          # [S]
@@ -94,6 +111,14 @@ class Zero1:
             target.copy_(gathered[offset:offset + n].view_as(target))
             offset += n
         self.steps += 1
+
+    def shard_of(self, tensors) -> torch.Tensor:
+        """This rank's slice [S] of `tensors` (one per parameter, shaped like its local tensor)
+        laid out as the flat buffer is: what element i of `reduce_gradients`' result belongs to."""
+        if len(tensors) != len(self.params):
+            raise ValueError(f"one tensor per parameter: {len(tensors)} for {len(self.params)}")
+        mine = slice(self.dp_rank * self.shard_numel, (self.dp_rank + 1) * self.shard_numel)
+        return self._flat([t.to(self.dtype) for t in tensors])[mine]
 
     def zero_grad(self):
         for p in self.params:
