@@ -549,3 +549,103 @@ def test_wrong_answers_lose_exactly_the_cells_of_their_task(name, grade_id, sour
     outcome = run_lab(cells, {grade_id: source()})
     failed = {test for test, error in outcome.items() if error is not None}
     assert failed == fails, f"{name}: failed {sorted(failed)}, expected {sorted(fails)}: {outcome}"
+
+
+# ---- section 6, beyond the three stages: offload and hybrid sharding ---------------------------
+
+from labkit.collectives import GLOO_FRAMING_BYTES          # noqa: E402
+from labkit.memory import hsdp, offload                    # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def late_world():
+    """A world of 4 made when the first test below needs it: the lab tests above shut theirs."""
+    yield labkit.world(4, timeout=60, teaching=False)
+    labkit.shutdown_all()
+
+
+def test_offload_ledger_row_and_wire_are_the_table():
+    psi, dp = 1.0, 8
+    row = offload.ledger_row(psi, dp, "optimizer")
+    assert row["device"] == {"parameters": 2, "gradients": 2 / 8}
+    assert sum(row["host"].values()) == pytest.approx(16 / 8)
+    row = offload.ledger_row(psi, dp, "parameters")
+    assert sum(row["device"].values()) == pytest.approx(4 / 8)
+    assert sum(row["host"].values()) == pytest.approx(16 / 8)
+    assert offload.pcie_bytes(psi, dp, "optimizer", b=2) == {"down": 0.25, "up": 0.25}
+    assert offload.pcie_bytes(psi, dp, "parameters", b=2, microbatches=3) == {"down": 0.25, "up": 1.5}
+    with pytest.raises(ValueError, match="policy"):
+        offload.ledger_row(psi, dp, "nvme")
+
+
+def test_copy_meter_counts_only_what_crosses_the_host_set():
+    host, device = torch.zeros(10, dtype=torch.bfloat16), torch.ones(10, dtype=torch.bfloat16)
+    other_host = torch.zeros(10)
+    with offload.CopyMeter([host, other_host]) as meter:
+        host.copy_(device)                    # down: 20 B
+        device[:4].copy_(host[:4])            # up: 8 B (a view's bytes, not its storage's)
+        other_host.copy_(host)                # inside the host set: nothing
+        device.clone().copy_(device)          # inside the device: nothing
+        host.to(torch.float32)                # a cast on the host, no device change: nothing
+    assert (meter.down, meter.up, meter.copies) == (20, 8, 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", offload.POLICIES)
+def test_offload_trains_like_one_process_and_moves_the_tables_bytes_at_p_3(late_world, policy):
+    world = late_world
+    for dtype, b in (("float64", 8), ("bfloat16", 2)):
+        case = offload.case(policy, P=3, dtype=dtype, layers=3, steps=2)
+        results = world.run(offload.run_offload, case)
+        assert results[3] is None
+        results = results[:3]
+        psi = case["layers"] * zero.padded_numel(case["hidden"], 3)
+        wire = offload.pcie_bytes(psi, 3, policy, b=b)
+        for r in results:
+            assert r["down"] == [wire["down"]] * 2 and r["up"] == [wire["up"]] * 2, (policy, dtype, r)
+        if dtype == "float64":
+            reference = bench.reference_history(case, 3)
+            for r in results:
+                for step, ref in zip(r["history"], reference):
+                    for got, want in zip(step, ref):
+                        torch.testing.assert_close(got[:len(want)], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_2x2_trains_like_one_process_and_keeps_the_gathers_inside_the_node(late_world):
+    world = late_world
+    case = hsdp.case(nodes=2, per_node=2, steps=2, dtype="float64", history=True)
+    reference = bench.reference_history(case, 4)
+    for r in world.run(hsdp.run_hsdp, case):
+        for step, ref in zip(r["history"], reference):
+            for got, want in zip(step, ref):
+                torch.testing.assert_close(got[:len(want)], want, rtol=0, atol=1e-12)
+    case = hsdp.case(nodes=2, per_node=2, layers=2, hidden=32)
+    world.run(hsdp.run_hsdp, case)
+    with world.traffic() as traffic:
+        world.run(hsdp.run_hsdp, case)
+    wire = hsdp.wire_bytes(2 * zero.padded_numel(32, 2), nodes=2, per_node=2, b=2)
+    slack = GLOO_FRAMING_BYTES * 6 * 2
+    for r in range(4):
+        peer, replica = r ^ 1, (r + 2) % 4
+        assert abs(traffic.matrix[r][peer] - wire["intra"]) <= slack, traffic.table()
+        assert abs(traffic.matrix[r][replica] - wire["inter"]) <= slack, traffic.table()
+        assert traffic.matrix[r][(peer + 2) % 4] == 0, traffic.table()   # nothing to the other node's other rank
+
+
+def test_hsdp_wire_formula_on_a_bigger_mesh():
+    assert hsdp.wire_bytes(1.0, nodes=4, per_node=8, b=2) == {"intra": 3 * 7 / 8 * 2, "inter": 2 * 3 / 4 * 2 / 8}
+
+
+def test_gloo_framing_figures_in_the_prose_are_labkits_constant():
+    """Issue 28: one framing figure across chapters 3-5, the constant's (ch. 1 measures it)."""
+    import json
+    import re
+    from labkit.collectives import GLOO_HEADER_BYTES, GLOO_NOTICE_BYTES
+    allowed = {"header": GLOO_HEADER_BYTES, "notice": GLOO_NOTICE_BYTES, "per message": GLOO_FRAMING_BYTES}
+    framing = re.compile(r"(\d+)(?:-byte|\s+bytes?)\s+(?:of\s+)?(header|notice|per\s+message)")
+    notebook = json.loads((ROOT / "course" / "03_memory_and_zero.ipynb").read_text())
+    text = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    found = [(int(n), " ".join(what.split())) for n, what in framing.findall(text)]
+    assert found and all(allowed[what] == n for n, what in found), found
+    assert "160 bytes per message" not in text
