@@ -17,7 +17,7 @@ from torch import nn
 import lab_notebooks
 import labkit
 from labkit import tensor_parallel as tpk
-from labkit.tensor_parallel import checks, measure, placement
+from labkit.tensor_parallel import checks, gqa, gqa_checks, measure, placement
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab04_tensor_parallel"
@@ -41,9 +41,16 @@ def _reference(grade_id, source=None):
     return namespace
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def world3():
+    # labkit keeps one world: the same one while the settings stay, a fresh one after plain3
     yield labkit.world(3, timeout=60)
+
+
+@pytest.fixture
+def plain3():
+    """Three ranks without teaching mode: lab 4, task 2 counts bytes per pair."""
+    yield labkit.world(3, timeout=60, teaching=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,13 +137,16 @@ def test_self_check_skips_unanswered_questions(capsys):
 def test_reference_passes_the_visible_checks(size):
     world = labkit.world(size, timeout=60)
     layers = _reference("task1_parallel_linear")
-    block = _reference("task2_tp_block")
     loss = _reference("task3_vocab_parallel_ce")["vocab_parallel_cross_entropy"]
     checks.check_column_parallel(world, layers["ColumnParallelLinear"], 10, 36, gather_output=True)
     checks.check_row_parallel(world, layers["RowParallelLinear"], 36, 10, input_is_parallel=False)
-    checks.check_block(world, block["shard_block"], block["tp_block"])
     checks.check_vocab_cross_entropy(world, loss, tokens=40, vocab=22, uneven=True,
                                      ignore_fraction=0.3)
+    attention = _reference("task2_gqa")["tp_gqa_attention"]
+    plain = labkit.world(size, timeout=60, teaching=False)
+    for kv_heads in (3, 2, 1):                  # at t = 2 and 4, (12, 3) and (12, 2) share heads
+        gqa_checks.check_gqa_attention(plain, attention, 12, kv_heads)
+        gqa_checks.check_gqa_traffic(plain, attention, 12, kv_heads)
 
 
 @pytest.mark.timeout(300)
@@ -148,8 +158,6 @@ def test_reference_passes_every_checker_at_three_ranks(world3):
     for parallel in (True, False):
         checks.check_row_parallel(world3, layers["RowParallelLinear"], 12, 7, parallel,
                                   bias=parallel, dtype="float64", batch_shape=(2, 2, 2))
-    block = _reference("task2_tp_block")
-    checks.check_block_traffic(world3, block["shard_block"], block["tp_block"])
     loss = _reference("task3_vocab_parallel_ce")["vocab_parallel_cross_entropy"]
     checks.check_vocab_cross_entropy(world3, loss, tokens=17, vocab=5, uneven=True,
                                      dtype="float64", ignore_fraction=0.5, ignore_index=-1)
@@ -271,24 +279,66 @@ def test_a_split_that_only_works_for_square_weights_fails(world3):
                                   input_is_parallel=False)
 
 
-@pytest.mark.timeout(120)
-def test_a_block_that_all_reduces_twice_fails_on_the_wire(world3):
-    block = _edited("task2_tp_block", *BLOCK_TWICE)
-    checks.check_block(world3, block["shard_block"], block["tp_block"])     # the values are right
-    with pytest.raises(AssertionError, match="in forward"):
-        checks.check_block_traffic(world3, block["shard_block"], block["tp_block"])
+@pytest.mark.timeout(180)
+def test_reference_gqa_trains_at_three_ranks_in_every_regime(plain3):
+    """t = 3 with kv heads split (6, 3), chained (12, 4: rank 1 holds kv heads 1 and 2),
+    replicated in a group of two (6, 2) and on every rank (12, 1: MQA); float32 and float64."""
+    attention = _reference("task2_gqa")["tp_gqa_attention"]
+    for heads, kv_heads in ((6, 3), (12, 4), (6, 2), (12, 1)):
+        gqa_checks.check_gqa_traffic(plain3, attention, heads, kv_heads)
+    gqa_checks.check_gqa_attention(plain3, attention, 12, 4, dtype="float32", batch=1, seq=9)
+
+
+def test_gqa_placement_reference_and_solution_agree():
+    from labkit.grading.references import tensor_parallel as ref
+    solution = _reference("task2_gqa")["gqa_placement"]
+    for heads in (1, 6, 8, 12, 24, 32, 64):
+        for kv_heads in range(1, heads + 1):
+            for tp in range(1, heads + 1):
+                want = ref.placement(heads, kv_heads, tp)
+                if isinstance(want, str):
+                    with pytest.raises(ValueError):
+                        solution(heads, kv_heads, tp)
+                    continue
+                got = [[list(q), list(kv)] for q, kv in solution(heads, kv_heads, tp)]
+                assert got == want, (heads, kv_heads, tp)
+                # each rank holds at most ceil(kv/t) + 1 kv heads, and every kv head someone
+                assert max(len(kv) for _, kv in got) <= -(-kv_heads // tp) + 1
+                assert sorted({j for _, kv in got for j in kv}) == list(range(kv_heads))
+    assert ref.holders(ref.placement(12, 4, 3)) == [[0], [0, 1], [1, 2], [2]]
+
+
+def test_gqa_pair_bytes_is_two_world_rings_plus_one_ring_per_shared_head():
+    holders = [[0], [0, 1], [1, 2], [2]]
+    n, head = 2 * 16 * 64 * 8, gqa.kv_head_bytes(64, 8, 8)
+    step = gqa.pair_bytes(2, 16, 64, 8, holders, 3, 8)
+    ring = 2 * 2 / 3 * n
+    assert step[0][2] == 2 * ring and step[1][0] == 2 * ring + head and step[0][1] == head
+    assert step[2][1] == 2 * ring + head and step[1][2] == head and step[2][0] == 0
+    assert gqa.pair_bytes(2, 16, 64, 8, holders, 3, 8, phase="forward")[0][1] == 0
+    with pytest.raises(ValueError, match="phase"):
+        gqa.pair_bytes(2, 16, 64, 8, holders, 3, 8, phase="both")
+
+
+def test_gqa_reference_is_mha_when_every_head_has_its_kv():
+    g = torch.Generator().manual_seed(0)
+    params = gqa.random_params(g, 20, 4, 4, 3)
+    x = torch.randn(2, 5, 20, generator=g, dtype=torch.float64)
+    y = gqa.attention_reference(params, x, 4, 4)
+    q, k, v = (tpk.split_heads(F.linear(x, params[f"{n}.weight"], params[f"{n}.bias"]), 3)
+               for n in "qkv")
+    want = F.linear(tpk.merge_heads(tpk.attention_core(q, k, v)), params["o.weight"],
+                    params["o.bias"])
+    torch.testing.assert_close(y, want)
 
 
 @pytest.mark.timeout(120)
-def test_a_fused_qkv_cut_in_plain_chunks_fails(world3):
-    old = ('    local["qkv.weight"] = params["qkv.weight"].view(3, width, hidden)[:, mine]'
-           '.reshape(-1, hidden)\n'
-           '    local["qkv.bias"] = params["qkv.bias"].view(3, width)[:, mine].reshape(-1)')
-    new = ('    local["qkv.weight"] = params["qkv.weight"].chunk(tp)[rank]\n'
-           '    local["qkv.bias"] = params["qkv.bias"].chunk(tp)[rank]')
-    block = _edited("task2_tp_block", old, new)
-    with pytest.raises(AssertionError, match="output"):
-        checks.check_block(world3, block["shard_block"], block["tp_block"])
+def test_kv_gradients_summed_over_the_whole_world_fail_only_on_the_wire(plain3):
+    source = WRONG.edited("world_sum", lab_notebooks.answer(LAB, "task2_gqa"))
+    attention = _reference("task2_gqa", source)["tp_gqa_attention"]
+    gqa_checks.check_gqa_attention(plain3, attention, 12, 4)               # the values are right
+    with pytest.raises(AssertionError, match="rank 0 sent .* bytes to rank 2"):
+        gqa_checks.check_gqa_traffic(plain3, attention, 12, 4)
 
 
 @pytest.mark.timeout(120)
@@ -436,27 +486,28 @@ def test_vocab_parallel_loss_peak_is_exactly_three_logit_shards_and_two_vectors(
 
 WRONG = lab_notebooks.wrong_answers(LAB)
 TASK_CELLS = {"task1_parallel_linear": ["test_task1_column", "test_task1_row"],
-              "task2_tp_block": ["test_task2_block_values", "test_task2_block_traffic"],
+              "task2_gqa": ["test_task2_placement", "test_task2_gqa_values",
+                            "test_task2_gqa_traffic"],
               "task3_vocab_parallel_ce": ["test_task3_ce_values", "test_task3_ce_traffic"]}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, fails", [
-    # t written as 2: right at the locked WORLD_SIZE = 2, wrong at the hidden t = 3 (half_column
-    # is graded in tests/grading/wrong_answers; half_block, the same mistake in task 2, fails
-    # both of its task's cells, so it is run here only)
+    # t written as 2: right at the locked WORLD_SIZE = 2, wrong at the hidden t = 3
     ("half_column", {"test_task1_column"}),
-    ("half_block", {"test_task2_block_values", "test_task2_block_traffic"}),
     # values without the construction: the whole weight gathered, the dense product taken
     ("dense_column", {"test_task1_column"}),
     ("dense_row", {"test_task1_row"}),
     # ... only on the shapes the traffic cell does not measure
-    ("small_dense_block", {"test_task2_block_values"}),
     ("narrow_gather", {"test_task3_ce_values"}),
-    # a stated requirement: an MLP width t does not divide refused even when the heads are
-    ("heads_only", {"test_task2_block_values"}),
-    # the count of collectives (graded), and a backward that communicates
-    ("block_twice", {"test_task2_block_traffic"}),
+    # task 2: Megatron-Core's refusal, replicas not summed, summed over the world, groups made
+    # every step, f forgotten
+    ("refuse_chain", {"test_task2_placement"}),
+    ("unsummed_replicas", {"test_task2_gqa_values", "test_task2_gqa_traffic"}),
+    ("world_sum", {"test_task2_gqa_traffic"}),
+    ("groups_every_step", {"test_task2_gqa_traffic"}),
+    ("no_f", {"test_task2_gqa_values", "test_task2_gqa_traffic"}),
+    # a backward that communicates
     ("recompute_in_backward", {"test_task3_ce_traffic"}),
 ])
 def test_each_wrong_answer_loses_exactly_the_cells_of_its_requirement(name, fails):

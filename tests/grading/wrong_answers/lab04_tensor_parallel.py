@@ -1,27 +1,28 @@
 """Lab 4's graded wrong answers (issue 26). Every edit below is a plausible answer that the lab's
 hidden tests let through before this round; the chapter test (tests/chapters/test_ch04_*.py)
-runs each through the lab's own test cells and asserts exactly which cells it fails, and the two
-submissions of WRONG carry one per task, graded with `labkit grade` at their exact score.
+runs each through the lab's own test cells and asserts exactly which cells it fails, and the
+submissions of WRONG carry at most one per task, graded with `labkit grade` at their exact score.
 
     twice_is_t      task 1: ColumnParallelLinear's shard written as out // 2 (the locked t):
                             fails test_task1_column (at t = 3)
-                    task 2: tp_block's f all-reduces its input in forward too ("make sure
-                            every rank has the same input": x / t summed, right values): twice
-                            Megatron's bytes in forward, within the values cell's bound of three
-                            times, so it fails test_task2_block_traffic only (the same t = 2
-                            mistake in task 2, half_block, fails both task-2 cells and is run by
-                            the chapter test alone)
+                    task 2: every kv gradient all-reduced over the whole world, zero-padded
+                            where a rank does not hold the head (right values, no replica
+                            groups): fails test_task2_gqa_traffic only
                     task 3: the loss's backward recomputes the softmax from the saved logits
                             and max, and so reduces the sum again (four reductions of N in
                             all, within the old bound): fails test_task3_ce_traffic
     dense_shortcuts task 1: RowParallelLinear gathers its whole W when the input is whole and
                             takes the dense product (x.grad then needs no collective): fails
                             test_task1_row (the backward that should gather sends nothing)
-                    task 2: tp_block gathers the weights and runs the whole block when the
-                            activation is small (the traffic cell's shapes are larger): fails
-                            test_task2_block_values (bytes judged on every value call)
+                    task 2: gqa_placement refuses what Megatron-Core's config check refuses
+                            (a t that neither divides nor is divided by the kv heads): fails
+                            test_task2_placement only (the attention tests hand the ranks the
+                            right placement)
                     task 3: the loss gathers the logits when the vocabulary is small (the
                             traffic cell's are larger): fails test_task3_ce_values
+    unsummed        task 2: the replicas of a shared kv head keep their own share of its
+                            gradient (no sum over the holders): fails test_task2_gqa_values and
+                            test_task2_gqa_traffic (values judged on both), passes the placement
 
 EDITS maps a name to (answer cell's grade_id, [(old, new), ...], extra source appended)."""
 
@@ -72,33 +73,37 @@ EDITS = {
         "            y = F.linear(x, _GatherAlong.apply(self.weight, 1))\n"
         "            return y if self.bias is None else y + self.bias")], _GATHER),
     # ---- task 2
-    "heads_only": ("task2_tp_block", [(
-        "    if heads % tp or ffn % tp:",
-        "    if heads % tp:                      # the MLP width forgotten")], ""),
-    "half_block": ("task2_tp_block", [(
-        "    head_dim = width // (heads // tp)",
-        "    head_dim = width // (heads // 2)                       # t written as 2")], ""),
-    "small_dense_block": ("task2_tp_block", [(
-        '    width = local["o.weight"].shape[1]                                 # A/t\n',
-        '    width = local["o.weight"].shape[1]                                 # A/t\n'
-        "    if x.shape[0] * x.shape[1] < 32:      # small: cheaper to gather the weights once\n"
-        "        full = dict(local)\n"
-        '        qkv = _GatherAlong.apply(local["qkv.weight"].view(3, width, hidden), 1)\n'
-        '        full["qkv.weight"] = qkv.reshape(-1, hidden)\n'
-        '        qkv_bias = _GatherAlong.apply(local["qkv.bias"].view(3, width), 1)\n'
-        '        full["qkv.bias"] = qkv_bias.reshape(-1)\n'
-        '        full["o.weight"] = _GatherAlong.apply(local["o.weight"], 1)\n'
-        '        full["fc1.weight"] = _GatherAlong.apply(local["fc1.weight"], 0)\n'
-        '        full["fc1.bias"] = _GatherAlong.apply(local["fc1.bias"], 0)\n'
-        '        full["fc2.weight"] = _GatherAlong.apply(local["fc2.weight"], 1)\n'
-        "        return tpk.block_reference(full, x, heads)\n")], _GATHER),
-    "block_twice": ("task2_tp_block", [(
-        "        return x.view_as(x)\n\n    @staticmethod\n    def backward(ctx, grad):\n"
-        "        grad = grad.contiguous()",
-        "        x = x.contiguous() / dist.get_world_size()\n"
-        "        dist.all_reduce(x)   # 'make sure every rank has the same input'\n"
-        "        return x\n\n    @staticmethod\n"
-        "    def backward(ctx, grad):\n        grad = grad.contiguous()")], ""),
+    "refuse_chain": ("task2_gqa", [(
+        "    mine, group = heads // tp, heads // kv_heads           # query heads per rank, per kv head",
+        "    if kv_heads % tp and tp % kv_heads:   # Megatron-Core's rule\n"
+        "        raise ValueError(f\"kv_heads ({kv_heads}) must be a multiple or divisor of tp ({tp})\")\n"
+        "    mine, group = heads // tp, heads // kv_heads")], ""),
+    "world_sum": ("task2_gqa", [
+        ("    shared = [(i, groups[j]) for i, j in enumerate(kvs) if j in groups]",
+         "    shared = (kvs[0], kv_heads)          # every kv gradient summed over the whole world"),
+        ("        for i, group in ctx.shared:                      # ascending kv heads on every rank\n"
+         "            rows = slice(i * d, (i + 1) * d)\n"
+         "            pieces = [g[rows] for g in grads]\n"
+         "            packed = torch.cat([p.reshape(-1) for p in pieces])        # 2 d (H + 1) values\n"
+         "            dist.all_reduce(packed, group=group)\n"
+         "            for piece, summed in zip(pieces, packed.split([p.numel() for p in pieces])):\n"
+         "                piece.copy_(summed.view_as(piece))",
+         "        first, kv_heads = ctx.shared\n"
+         "        for k, g in enumerate(grads):\n"
+         "            full = torch.zeros(kv_heads * d, *g.shape[1:], dtype=g.dtype, device=g.device)\n"
+         "            full[first * d:first * d + g.shape[0]] = g\n"
+         "            dist.all_reduce(full)        # zeros where a rank does not hold the head\n"
+         "            grads[k] = full[first * d:first * d + g.shape[0]].clone()")], ""),
+    "unsummed_replicas": ("task2_gqa", [(
+        "    kw, kb, vw, vb = _SumReplicas.apply(shared, head_dim, local[\"k.weight\"], local[\"k.bias\"],\n"
+        "                                        local[\"v.weight\"], local[\"v.bias\"])",
+        "    kw, kb, vw, vb = (local[n] for n in (\"k.weight\", \"k.bias\", \"v.weight\", \"v.bias\"))")],
+        ""),
+    "groups_every_step": ("task2_gqa", [(
+        "    if key not in _GROUPS:", "    if True:                              # made again every step")], ""),
+    "no_f": ("task2_gqa", [(
+        "    h = _Copy.apply(x)                                                  # f: [B, T, H]",
+        "    h = x                                                               # f forgotten")], ""),
     # ---- task 3
     "ignore_index_fixed": ("task3_vocab_parallel_ce", [(
         _CE_CALL, _CE_CALL.replace("ignore_index)", "-100)"))], ""),
@@ -144,12 +149,14 @@ def _answers(*names):
     return {EDITS[name][0]: (lambda source, name=name: edited(name, source)) for name in names}
 
 
-# 18 points: 3 per test cell. twice_is_t loses the column cell (3), the block's traffic cell (3)
-# and the loss's traffic cell (3); dense_shortcuts the row cell, the block's values and the loss's
-# values.
+# 18 points: 3 per test cell of tasks 1 and 3, 2 per cell of task 2. twice_is_t loses the column
+# cell (3), task 2's traffic cell (2) and the loss's traffic cell (3); dense_shortcuts the row
+# cell (3), task 2's placement (2) and the loss's values (3); unsummed task 2's two attention
+# cells (2 + 2).
 WRONG = {
-    "twice_is_t": (_answers("half_column", "block_twice", "recompute_in_backward"), None, 9),
-    "dense_shortcuts": (_answers("dense_row", "small_dense_block", "narrow_gather"), None, 9),
+    "twice_is_t": (_answers("half_column", "world_sum", "recompute_in_backward"), None, 10),
+    "dense_shortcuts": (_answers("dense_row", "refuse_chain", "narrow_gather"), None, 10),
+    "unsummed": (_answers("unsummed_replicas"), None, 14),
 }
 
 # the test cells no graded wrong answer of this module fails yet (test_labs checks it exactly)

@@ -9,8 +9,10 @@ What is here: one transformer block (pre-LayerNorm, causal attention, GELU MLP) 
 a function of a parameter dict, with weights that depend only on a seed; the chapter's formulas
 (bytes per layer per step, activation memory, the bytes of a vocabulary-parallel cross-entropy);
 interconnect figures quoted from vendor documentation. `placement` describes where a tensor's
-pieces live, `measure` counts activation bytes, peak memory and bytes written. What is not here:
-the parallel layers, the sharding by heads and the parallel cross-entropy (lab 4, tasks 1-3).
+pieces live, `measure` counts activation bytes, peak memory and bytes written, `gqa` is lab 4
+task 2's grouped-query bench (one-process attention, bytes per pair). What is not here: the
+parallel layers, the GQA head placement and parallel attention, and the parallel cross-entropy
+(lab 4, tasks 1-3).
 
 Notation (chapter 4): tp ranks in the tensor-parallel group (the course writes t); B batch,
 T sequence, H hidden, A = heads * head_dim the attention width, F the MLP width, V vocabulary,

@@ -2,8 +2,8 @@
 
     check_column_parallel(world, ColumnParallelLinear, 10, 36, gather_output=True)
     check_row_parallel(world, RowParallelLinear, 36, 10, input_is_parallel=False)
-    check_block(world, shard_block, tp_block)                 # outputs and gradients
-    check_block_traffic(world, shard_block, tp_block)    # one all-reduce per sub-block, each way
+    gqa_checks.check_gqa_placement(gqa_placement, 12, 4, 3)    # task 2 (labkit.tensor_parallel
+    gqa_checks.check_gqa_attention(world, tp_gqa_attention, 12, 3)  # .gqa_checks)
     check_vocab_cross_entropy(world, vocab_parallel_cross_entropy, tokens=96, vocab=50)
     check_vocab_traffic(world, vocab_parallel_cross_entropy)  # bytes grow with N, not with V
 
@@ -296,155 +296,7 @@ def check_row_parallel(world, layer_cls, in_features, out_features, input_is_par
     _check_divisibility(world, layer_cls, "row", in_features, out_features, timeout)
 
 
-# ---- task 2: the tensor-parallel block -----------------------------------------------------------
-
-SPLIT = ("qkv.weight", "qkv.bias", "o.weight", "fc1.weight", "fc1.bias", "fc2.weight")
-REPLICATED = ("ln1.weight", "ln1.bias", "o.bias", "ln2.weight", "ln2.bias", "fc2.bias")
-LAB_BLOCK = dict(hidden=40, heads=12, head_dim=3, ffn=72)       # A = 36 != H, F = 72: not square
-
-
-def check_shards(shards, params, tp, case=None):
-    """What shard_block returned for every rank: the same names, split weights 1/tp each (no rank
-    holds a whole split weight), replicated ones whole and equal to the full tensor."""
-    checks.one_result_per_rank(shards, tp, case, "shard_block")
-    for rank, local in enumerate(shards):
-        if not isinstance(local, dict) or set(local) != set(params):
-            got = sorted(local) if isinstance(local, dict) else type(local).__name__
-            raise AssertionError(f"shard_block(params, {rank}, {tp}, heads) returned {got}; "
-                                 f"expected a dict with the keys {sorted(params)}"
-                                 + checks._where(case))
-        for name in SPLIT:
-            tensor = local[name]
-            if not isinstance(tensor, torch.Tensor) or tensor.numel() * tp != params[name].numel():
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-                raise AssertionError(
-                    f"rank {rank}'s {name} has shape {shape}; a 1/{tp} slice of "
-                    f"{tuple(params[name].shape)} holds {params[name].numel() // tp} values"
-                    + checks._where(case) + "; split by heads (qkv, o) or by MLP width (fc1, fc2)")
-        for name in REPLICATED:
-            checks.check(local[name], params[name], f"rank {rank}'s {name} (replicated)", case=case,
-                         rtol=0, atol=0, hint="LayerNorms and the biases added after the "
-                         "all-reduce are whole on every rank")
-
-
-def _block_case(what, shard_fn, tp, batch, seq, dtype, sizes):
-    case = checks.Case(what)
-    params = tpk.random_params(case.generator, dtype=getattr(torch, dtype), **sizes)
-    x = case.normal((batch, seq, sizes["hidden"]), dtype)                  # [B, T, H]
-    dy = case.normal((batch, seq, sizes["hidden"]), dtype)
-    shards = [shard_fn({k: v.clone() for k, v in params.items()}, r, tp, sizes["heads"])
-              for r in range(tp)]
-    check_shards(shards, params, tp, case)
-    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    x_ref = x.clone().requires_grad_(True)
-    y = tpk.block_reference(leaves, x_ref, sizes["heads"])
-    y.backward(dy)
-    grads = {k: v.grad for k, v in leaves.items()}
-    expected_grads = []
-    for r in range(tp):
-        split = shard_fn({k: v.clone() for k, v in grads.items()}, r, tp, sizes["heads"])
-        expected_grads.append({k: split[k] if k in SPLIT else grads[k] for k in params})
-    return case, params, x, dy, shards, y.detach(), x_ref.grad, expected_grads
-
-
-def _run_block(share, block_fn, heads, backward=True):
-    """On a rank: this rank's shards as leaves, forward, and backward unless told not to."""
-    import labkit
-    device = labkit.device()
-    local = {k: v.to(device).requires_grad_(True) for k, v in share["local"].items()}
-    x = share["x"].to(device).requires_grad_(True)
-    y = block_fn(local, x, heads)
-    if not backward:
-        return {"y": y.detach()}
-    labkit.mark(AFTER_FORWARD)
-    y.backward(share["dy"].to(device))
-    return {"y": y.detach(), "dx": x.grad, "grads": {k: v.grad for k, v in local.items()}}
-
-
-def _compare_block(results, y, dx, expected_grads, case, dtype):
-    checks.one_result_per_rank(results, len(expected_grads), case, "tp_block")
-    tol = _TOLERANCES[dtype]
-    for rank, got in enumerate(results):
-        checks.check(got["y"], y, f"rank {rank}'s output", case=case, **tol,
-                     hint="every rank must hold the whole output: one all-reduce after o and one "
-                          "after fc2, each bias added once after it")
-        checks.check(got["dx"], dx, f"rank {rank}'s input gradient", case=case, **tol,
-                     hint="the input gradient needs an all-reduce in backward before each "
-                          "column-parallel part (Megatron's f), one for q, k and v together")
-        for name, want in expected_grads[rank].items():
-            grad = got["grads"].get(name)
-            if grad is None:
-                raise AssertionError(f"rank {rank}: {name} got no gradient [{case}]: use every "
-                                     "tensor of `local` in the computation")
-            checks.check(grad, want, f"rank {rank}'s gradient of {name}", case=case, **tol,
-                         hint="the gradient of a shard is the same slice of the full gradient")
-
-
-def check_block(world, shard_fn, block_fn, batch=3, seq=5, dtype="float64", timeout=60,
-                sizes=None):
-    """The tensor-parallel block equals tpk.block_reference, outputs and every gradient, computed
-    from the shards: on the same call, each direction sends at least Megatron's two all-reduces
-    of [B, T, H] and at most three times their bytes (a block that gathers the weights and runs
-    the whole block on every rank sends the weights, and nothing in backward). How many
-    all-reduces exactly is check_block_traffic's."""
-    sizes = dict(sizes or LAB_BLOCK)
-    tp = world.size
-    case, params, x, dy, shards, y, dx, expected_grads = _block_case(
-        f"tensor-parallel block {sizes} on {tp} ranks, {dtype}", shard_fn, tp,
-        batch, seq, dtype, sizes)
-    with world.traffic() as traffic:
-        results = world.run_each(_run_block, [{"local": s, "x": x, "dy": dy} for s in shards],
-                                 block_fn, sizes["heads"], timeout=timeout)
-    _compare_block(results, y, dx, expected_grads, case, dtype)
-    if tp == 1:
-        return
-    data = 2 * tpk.all_reduce_bytes(x.numel() * x.element_size(), tp)
-    weights = sum(params[name].numel() * params[name].element_size() for name in SPLIT)
-
-    def wire_hint(phase, sent, expected):
-        return (f"two all-reduces of the [{batch}, {seq}, {sizes['hidden']}] activation send "
-                f"{expected:.0f} bytes per direction, gathering the split weights "
-                f"{tpk.all_gather_bytes(weights, tp):.0f}: compute from this rank's shards, "
-                "with Megatron's f before each column-parallel part and g after each row-parallel "
-                "one")
-
-    _judge_phases(traffic, case, "tp_block", {"forward": (data, 6, 3 * data),
-                                              "backward": (data, 6, 3 * data)}, wire_hint)
-
-
-def check_block_traffic(world, shard_fn, block_fn, batch=4, seq=24, dtype="float64", timeout=60,
-                        sizes=None):
-    """Exactly one all-reduce of [B, T, H] per sub-block in forward and one in backward, counted
-    from outside the ranks: 2 x 2(t-1)/t x BTHb bytes per rank in each direction, plus at most
-    FRAMING_PER_PEER per peer and collective. Keep BTHb above ~20 kB, so that one activation
-    more (a sub-block that all-reduces twice) stands out of the framing at every t <= 4."""
-    sizes = dict(sizes or LAB_BLOCK)
-    tp = world.size
-    case, params, x, dy, shards, y, dx, expected_grads = _block_case(
-        f"traffic of the tensor-parallel block {sizes} on {tp} ranks", shard_fn, tp, batch, seq,
-        dtype, sizes)
-    shares = [{"local": s, "x": x, "dy": dy} for s in shards]
-    # one call; the mark between forward and backward splits what each phase sent
-    with world.tracing() as trace, world.traffic() as traffic:
-        results = world.run_each(_run_block, shares, block_fn, sizes["heads"], timeout=timeout)
-    _compare_block(results, y, dx, expected_grads, case, dtype)
-    if tp == 1:
-        return
-    n = x.numel() * x.element_size()
-    data = 2 * tpk.all_reduce_bytes(n, tp)                 # two all-reduces per direction
-    framing = 2 * (tp - 1) * FRAMING_PER_PEER + 512
-    for rank in range(tp):
-        ops = [r["op"] for r in trace.ops(rank)]              # words for the message only
-        for phase, sent in zip(("forward", "backward"), _phases(traffic, rank)):
-            if not data * 0.99 <= sent <= data + framing:
-                raise AssertionError(
-                    f"rank {rank} sent {sent} bytes in {phase}; one all-reduce of the "
-                    f"[{batch}, {seq}, {sizes['hidden']}] activation per sub-block sends "
-                    f"2 x 2(t-1)/t x {n} = {data:.0f} bytes (up to {data + framing:.0f} with "
-                    f"headers and teaching mode's checks) [{case}]; the rank called {ops}: "
-                    "exactly one all-reduce per sub-block in each direction, nothing gathered, "
-                    "nothing reduced twice")
-
+# ---- task 2: grouped-query attention, kv heads replicated where shared: gqa_checks.py ---------
 
 # ---- task 3: vocabulary-parallel cross-entropy ---------------------------------------------------
 

@@ -7,6 +7,7 @@ student copy), a visible case's expected value comes from `labs/<lab>/expected.j
 
 | module | answers | lab |
 |---|---|---|
+| `tensor_parallel` | which query and kv heads each rank holds under GQA | lab 4, task 2 |
 | `mesh` | the exhaustive search over (dp, tp, pp, ZeRO stage, microbatches) | lab 6, task 3 |
 | `pipeline` | GPipe's bubble with per-stage costs and a latency | lab 5, task 4 |
 | `checkpoint` | the wall time of an asynchronous run with at most one failure | lab 8, task 4 |
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 
-RELEASED = {"lab06_3d_parallelism": "mesh", "lab08_checkpoints": "checkpoint",
-            "lab09_failures_at_scale": "faults", "lab10_long_sequences": "context"}
+RELEASED = {"lab04_tensor_parallel": "tensor_parallel", "lab06_3d_parallelism": "mesh",
+            "lab08_checkpoints": "checkpoint", "lab09_failures_at_scale": "faults",
+            "lab10_long_sequences": "context"}
 
 
 def expected(lab: str) -> dict | None:
