@@ -728,3 +728,24 @@ def test_moe_dp_bytes_reduce_dense_over_dp_and_experts_over_dp_over_ep():
     for bad in (3, 0, 2.0):
         with pytest.raises(ValueError, match="divides dp"):
             cost.moe_dp_wire_bytes(1.0, 1.0, 4, bad)
+
+
+def test_self_checks_ask_first_and_keep_their_answers_in_labkit(capsys):
+    """Chapter 6's self-checks: None shows nothing of the answer, the right answer is right, a wrong
+    one is told the answer; the notebook's code never spells the answers out."""
+    import json
+    from labkit.mesh import selfcheck
+    for name, (expected, why) in selfcheck.questions().items():
+        assert selfcheck.ask(name, None) is None
+        shown = capsys.readouterr().out
+        assert str(expected) not in shown and why not in shown
+        assert selfcheck.ask(name, expected) is True
+        wrong = [x + 1 for x in expected] if isinstance(expected, list) else expected * 1.5
+        assert selfcheck.ask(name, wrong) is False
+    capsys.readouterr()
+    notebook = json.loads((ROOT / "course" / "06_3d_parallelism.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    for spelled in ("7 / 96", "[7, 9, 11]", "7, 9, 11", "18,07", "18076"):
+        assert spelled not in code
+    for name in selfcheck.questions():
+        assert f"{name} = None" in code and f'selfcheck.ask("{name}", {name})' in code
