@@ -195,6 +195,9 @@ SCENARIOS = {   # name: training_case keywords (steps, microbatches, model, fail
                                               fail={"step": 1, "ranks": [0], "microbatch": 1}),
     "a failure in an accumulating backward": dict(steps=3, microbatches=3,
                                                   fail={"step": 0, "ranks": [1], "microbatch": 0}),
+    "blocks used in the reverse of their creation order": dict(steps=3, microbatches=2, crossed=True),
+    "the first step's orders differ between ranks": dict(steps=3, microbatches=2, optional=True,
+                                                         first_detour_ranks=(1, 2)),
 }
 
 
@@ -227,6 +230,41 @@ def test_reference_sync_over_many_steps(reference):
     histories = world.run_each(training.train_with_sync, training.shares(case),
                                reference["BucketedGradSync"], timeout=120)
     training.assert_params_match(histories, training.reference_training(case))
+
+
+def _buckets_after_one_step(share, sync_class, sequences_of_rank):
+    """One step of a crossed model whose detour block only ranks other than 0 run: the buckets
+    the reference cut, by parameter name."""
+    import torch.distributed as dist
+    model = training.build_model(share)
+    names = {p: name for name, p in model.named_parameters()}
+    sync = sync_class(model, 600)
+    rank = dist.get_rank()
+    total, _ = dp.token_loss_sum(model, sequences_of_rank[rank], detour=rank != 0)
+    total.backward()
+    sync.finish()
+    return [[names[p] for p in bucket] for bucket in sync.buckets]
+
+
+@pytest.mark.timeout(120)
+def test_reference_buckets_follow_rank_0s_observed_order(reference):
+    """Task 3's rule as the reference applies it: rank 0's arrival order in the first step (then
+    the parameters it got no gradient for, reversed), the same buckets on every rank although
+    the other ranks saw the detour's gradients arrive early; not the reverse of creation."""
+    from labkit.dp import sync_checks
+    world = labkit.world(3, timeout=60)
+    spec = training.training_case(seed=2, world_size=3, steps=1, optional=True,
+                                  crossed=True)["model"]
+    sequences = [dp.ragged_batch(seed, 2, 5, min_len=1) for seed in range(3)]
+    got = world.run(_buckets_after_one_step, spec, reference["BucketedGradSync"], sequences)
+    model = training.build_model(spec)
+    order = sync_checks.observed_order(spec, sequences[0])
+    assert order[-2:] == ["detour.bias", "detour.weight"], order     # rank 0 never ran it
+    expected = sync_checks.expected_buckets(model, 600, order)
+    assert got == [expected] * 3, (got, expected)
+    by_creation = sync_checks.expected_buckets(
+        model, 600, [n for n, p in list(model.named_parameters())[::-1]])
+    assert expected != by_creation
 
 
 def _misuse(share, sync_class):

@@ -66,12 +66,15 @@ _FORGED_FINISH = '''
                 need += 1
             if need == sent:
                 try:
-                    labkit.mark(f"reached block {k}")
+                    labkit.mark(f"step {self._forged_step}: reached block {k}")
                 except Exception:
                     pass
 
     def finish(self):
         try:
+            self._forged_step = getattr(self, "_forged_step", 0) + 1
+            if self.buckets is None:
+                self._build_buckets()
             self._forge(0)
             while self.next_to_send < len(self.buckets):
                 self._send(self.next_to_send)

@@ -1,7 +1,10 @@
 """Lab 2's graded wrong answers (issue 26), two submissions of one or two mistakes per task (14
 points: task 1 2 + 1 + 1 + 1, task 2 1 + 1 + 1 + 1, task 3 2 + 1 + 1 + 1). Each mistake alone
 loses exactly the cells named here; tests/chapters/test_ch02_data_parallel.py runs every one alone
-(with more that labkit grade does not grade).
+(with more that labkit grade does not grade: issue 32's a rank without a microbatch that runs no
+backward, buckets rebuilt in the reverse of model.parameters() (fails only the hidden model that
+uses its blocks in another order), buckets fixed before the first step, the recorded order
+reversed, every rank cutting buckets from its own order).
 
 "means_empty_replicas_no_overlap" (7 of 14):
 - task 1: the mean of microbatch means (test_task1_gradients, 2) and no error for an empty global
@@ -42,6 +45,10 @@ TASK1 = {
     "no error for an empty global batch": (
         ("    if tokens == 0:\n", "    if tokens < 0:\n"),
         {"test_task1_empty_batch"}),
+    "a rank without a microbatch runs no backward (the others wait in DDP's all-reduce)": (
+        ("    pieces = microbatches or [[]]                      # no data: one empty backward, to join DDP\n",
+         "    pieces = microbatches\n"),
+        {"test_task1_gradients"}),
 }
 
 TASK2 = {
@@ -77,18 +84,31 @@ TASK3 = {
          "        pass                                   # everything is sent from finish()\n"),
         {"test_task3_overlap", "test_task3_buckets"}),
     "one bucket per parameter, whatever bucket_bytes says": (
-        ("            if size >= bucket_bytes:                 # this bucket is full: start the next one\n",
+        ("            if size >= self.bucket_bytes:          # this bucket is full: start the next one\n",
          "            if True:\n"),
         {"test_task3_buckets"}),
-    "buckets in forward order": (
-        ("        for p in reversed([p for p in model.parameters() if p.requires_grad]):\n",
-         "        for p in [p for p in model.parameters() if p.requires_grad]:\n"),
+    "buckets rebuilt after the first step, but in the reverse of model.parameters()": (
+        ("        mine = self.recorded + [p for p in reversed(self.params) if p not in seen]\n",
+         "        mine = list(reversed(self.params))\n"),
         {"test_task3_overlap", "test_task3_buckets"}),
+    "buckets fixed before the first step, reverse of model.parameters() (the second edition)": (
+        ("        self.recorded = []                  # first step: parameters in arrival order\n",
+         "        self.recorded = []\n"
+         "        self._build_buckets()               # guessed before any gradient arrived\n"),
+        {"test_task3_overlap", "test_task3_buckets"}),
+    "the recorded order reversed": (
+        ("        mine = self.recorded + [p for p in reversed(self.params) if p not in seen]\n",
+         "        mine = self.recorded[::-1] + [p for p in reversed(self.params) if p not in seen]\n"),
+        {"test_task3_overlap", "test_task3_buckets"}),
+    "every rank cuts buckets from its own order (rank 0's not broadcast)": (
+        ("        dist.broadcast(order, src=0)               # DDP: sync_bucket_indices, rank 0's order\n",
+         ""),
+        {"test_task3_missing_gradients_and_failures"}),
     "a missing gradient is an error, and the step's state is kept (the first edition)": (
-        ("        try:\n            while self.next_to_send < len(self.buckets):   # buckets with a missing gradient\n",
-         "        if self.next_to_send < len(self.buckets):\n"
+        ("        try:\n            if self.buckets is None:\n",
+         "        if self.buckets is not None and self.next_to_send < len(self.buckets):\n"
          "            raise RuntimeError('a parameter got no gradient')   # the step's state stays\n"
-         "        try:\n            while self.next_to_send < len(self.buckets):\n"),
+         "        try:\n            if self.buckets is None:\n"),
         {"test_task3_missing_gradients_and_failures"}),
     "averages never divided by the world size": (
         ("                flat = self.flats[i] / self.world_size\n",
@@ -101,15 +121,14 @@ TASK3 = {
          "        self.in_flight.append((i, dist.all_reduce(flat, async_op=True)))\n"),
         {"test_task3_buckets"}),
     "frozen parameters bucketed too (they never get a gradient)": (
-        ("        for p in reversed([p for p in model.parameters() if p.requires_grad]):\n",
-         "        for p in reversed(list(model.parameters())):\n"),
+        ("        self.params = [p for p in model.parameters() if p.requires_grad]   # creation order\n",
+         "        self.params = list(model.parameters())\n"),
         {"test_task3_values"}),
     "no_sync ignored": (
         ("        previous, self.syncing = self.syncing, False\n",
          "        previous = self.syncing\n"),
         set(CELLS3)),
 }
-
 
 WRONG = {
     "means_empty_replicas_no_overlap": ({

@@ -39,12 +39,16 @@ class TinyLM(nn.Module):
     `tied`: the head's weight is the embedding's (one parameter used twice, as in GPT-2);
     `optional`: one more block, `detour`, used only when the forward is asked to
     (`model(tokens, detour=True)`): a parameter that gets no gradient in some steps or on some
-    ranks, like an expert no token was routed to.
+    ranks, like an expert no token was routed to;
+    `crossed`: forward uses the blocks in the reverse of the order they were created, so
+    backward's order is not the reverse of `model.parameters()` (chapter 2, section 2; lab 2,
+    task 3's buckets follow the order gradients arrive in, not the order of creation).
     """
 
     def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 1,
-                 tied: bool = False, optional: bool = False):
+                 tied: bool = False, optional: bool = False, crossed: bool = False):
         super().__init__()
+        self.crossed = crossed
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
         self.head = nn.Linear(hidden, vocab)
@@ -54,7 +58,7 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens, detour: bool = False):
         x = self.embed(tokens)                      # x: [B, T, H]
-        for block in self.blocks:
+        for block in (self.blocks[::-1] if self.crossed else self.blocks):
             x = x + F.gelu(block(x))                # [B, T, H]
         if detour and self.detour is not None:
             x = x + F.gelu(self.detour(x))          # [B, T, H]
@@ -63,14 +67,15 @@ class TinyLM(nn.Module):
 
 def make_model(seed: int = 0, layers: int = 1, hidden: int = HIDDEN, dtype=torch.float64,
                device="cpu", tied: bool = False, optional: bool = False,
-               frozen: tuple = ()) -> TinyLM:
+               frozen: tuple = (), crossed: bool = False) -> TinyLM:
     """A TinyLM whose weights depend only on `seed`: every process that calls this agrees.
 
     `frozen`: names of parameters that get requires_grad=False (fine-tuning keeps them fixed).
     """
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = TinyLM(hidden=hidden, layers=layers, tied=tied, optional=optional).to(dtype)
+    model = TinyLM(hidden=hidden, layers=layers, tied=tied, optional=optional,
+                   crossed=crossed).to(dtype)
     torch.random.set_rng_state(generator_state)
     names = dict(model.named_parameters())
     unknown = sorted(set(frozen) - set(names))

@@ -19,6 +19,7 @@ import torch
 
 from labkit import checks, dp
 from labkit.dp import placement
+from labkit.errors import CallTimeout, RankDied, RankError
 
 HIDDEN_TASK1 = 64        # gradients large enough that one synchronisation stands out in bytes
 
@@ -37,19 +38,28 @@ def _accumulation_program(share, step_fn):
     return {"loss": float(loss), "grads": dp.grads_of(model)}
 
 
-def accumulation_case(world_size, what, microbatches=3, empty_rank=None, empty=False, seed=None):
+def accumulation_case(world_size, what, microbatches=3, empty_rank=None, empty=False, seed=None,
+                      idle_rank=None):
     """A case: per rank, `microbatches` lists of 0-3 ragged sequences (some empty), drawn from
-    the case's generator; the global batch; the model seed."""
+    the case's generator; the global batch; the model seed. `idle_rank`: that rank holds no
+    microbatch at all (a rank that ran out of data); the others hold `microbatches` each. (With
+    more than one on the others, a step that synchronises every microbatch would hang here, on
+    counts of all-reduces that differ between ranks: that mistake is the one-synchronisation
+    cell's, so the idle cases keep one microbatch on the others.)"""
     case = checks.Case(what, seed)
     per_rank = []
     for rank in range(world_size):
         pieces = []
-        for _ in range(microbatches):
+        count_of_microbatches = microbatches
+        if idle_rank is not None:
+            count_of_microbatches = 0 if rank == idle_rank else microbatches
+        for _ in range(count_of_microbatches):
             count = 0 if empty or rank == empty_rank else case.integer(0, 3)
             pieces.append(dp.ragged_batch(case.integer(0, 2**31 - 1), count, 7, min_len=0))
         per_rank.append(pieces)
     if not empty and not any(dp.count_tokens(p) for pieces in per_rank for p in pieces):
-        per_rank[-1][-1] = [([1, 2, 3], [4, 5, 6])]           # at least one valid token
+        busy = next(r for r, pieces in enumerate(per_rank) if pieces)
+        per_rank[busy][-1] = [([1, 2, 3], [4, 5, 6])]         # at least one valid token
     batch = [seq for pieces in per_rank for piece in pieces for seq in piece]
     shares = [{"seed": case.seed % 1000, "hidden": HIDDEN_TASK1, "microbatches": pieces}
               for pieces in per_rank]
@@ -67,23 +77,38 @@ def ddp_world_problem(world):
     return None
 
 
-def _run_accumulation(world, step_fn, shares, timeout, measure=False):
+def _run_accumulation(world, step_fn, shares, timeout, measure=False, case=None):
     problem = ddp_world_problem(world)
     if problem:
         raise ValueError(problem)
-    if not measure:
-        return world.run_each(_accumulation_program, shares, step_fn, timeout=timeout), None
-    with world.traffic() as traffic:
-        results = world.run_each(_accumulation_program, shares, step_fn, timeout=timeout)
-    return results, traffic
+    idle = [r for r, share in enumerate(shares) if not share["microbatches"]]
+    try:
+        if not measure:
+            return world.run_each(_accumulation_program, shares, step_fn, timeout=timeout), None
+        with world.traffic() as traffic:
+            results = world.run_each(_accumulation_program, shares, step_fn, timeout=timeout)
+        return results, traffic
+    except (RankError, RankDied, CallTimeout) as error:
+        if not idle:
+            raise
+        raise AssertionError(
+            f"[{case}] rank {idle[0]} holds no microbatch in this step and the step failed: "
+            f"{str(error).splitlines()[0]}. DDP all-reduces the gradients from inside backward "
+            "(its hooks), so every rank must run one backward outside no_sync() in every step, "
+            "also a rank without data: the backward of an empty microbatch's zero loss, "
+            "dp.token_loss_sum(ddp_model, []), joins the others' all-reduce") from None
 
 
-def check_accumulation_gradients(world, step_fn, microbatches=3, empty_rank=None, timeout=60):
-    """Every rank's accumulated gradient equals the one-process gradient of the global token loss."""
+def check_accumulation_gradients(world, step_fn, microbatches=3, empty_rank=None, idle_rank=None,
+                                 timeout=60):
+    """Every rank's accumulated gradient equals the one-process gradient of the global token loss.
+    `idle_rank`: that rank holds no microbatch, the others `microbatches` each."""
     P = world.size
     case, shares, batch = accumulation_case(
-        P, f"accumulation step, P={P}, {microbatches} microbatches", microbatches, empty_rank)
-    results, _ = _run_accumulation(world, step_fn, shares, timeout)
+        P, f"accumulation step, P={P}, {microbatches} microbatches"
+        + (f", rank {idle_rank} without any" if idle_rank is not None else ""),
+        microbatches, empty_rank, idle_rank=idle_rank)
+    results, _ = _run_accumulation(world, step_fn, shares, timeout, case=case)
     checks.one_result_per_rank(results, P, case, what="the step")
     reference = dp.reference_gradients(batch, shares[0]["seed"], hidden=HIDDEN_TASK1)
     for rank, result in enumerate(results):
@@ -107,15 +132,17 @@ def _gradient_hint(got, reference, P, microbatches):
             "by the same global count of valid tokens (all ranks, all microbatches)")
 
 
-def check_one_synchronisation(world, step_fn, microbatches=3, timeout=60):
+def check_one_synchronisation(world, step_fn, microbatches=3, idle_rank=None, timeout=60):
     """Between the step's marks each rank sends one gradient synchronisation, not one per
-    microbatch: no_sync around every backward but the last (values are checked elsewhere)."""
+    microbatch: no_sync around every backward but the last (values are checked elsewhere).
+    `idle_rank`: that rank holds no microbatch, the others `microbatches` each."""
     P = world.size
-    case, shares, _ = accumulation_case(P, f"accumulation traffic, P={P}", microbatches)
+    case, shares, _ = accumulation_case(P, f"accumulation traffic, P={P}", microbatches,
+                                        idle_rank=idle_rank)
     model = dp.make_model(0, hidden=HIDDEN_TASK1)
     n_params = sum(p.numel() for p in model.parameters())
     one_sync, small = calibrate_all_reduce(world, [n_params, 2], timeout, task=step_fn)
-    results, traffic = _run_accumulation(world, step_fn, shares, timeout, measure=True)
+    results, traffic = _run_accumulation(world, step_fn, shares, timeout, measure=True, case=case)
     checks.one_result_per_rank(results, P, case, what="the step")
     sent = [end - start for start, end in zip(traffic.marks["step starts"]["sent"],
                                                 traffic.marks["step ends"]["sent"])]

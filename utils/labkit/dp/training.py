@@ -39,7 +39,8 @@ def training_case(seed: int, world_size: int, steps: int, microbatches: int = 1,
                   layers: int = 3, hidden: int = dp.HIDDEN, dtype: str = "float64",
                   tied: bool = False, optional: bool = False, frozen: tuple = (),
                   bucket_bytes: int = 1024, lr: float = 0.5, max_len: int = 6,
-                  equal: bool = False, fail: dict | None = None, empty_rank: int | None = None) -> dict:
+                  equal: bool = False, fail: dict | None = None, empty_rank: int | None = None,
+                  crossed: bool = False, first_detour_ranks: tuple | None = None) -> dict:
     """A training case (plain data; see the module docstring).
 
     Each rank gets `microbatches` microbatches per step of 0-3 ragged sequences (`equal`: 2
@@ -47,7 +48,10 @@ def training_case(seed: int, world_size: int, steps: int, microbatches: int = 1,
     detour block runs on a random half of the microbatches, so it gets no gradient on some ranks
     in some steps. `fail`: {"step": k, "ranks": [...], "microbatch": m} makes those ranks raise
     InjectedFailure in the middle of that backward pass (after the head's gradient is ready).
-    `empty_rank`: that rank holds no sequence in any step.
+    `empty_rank`: that rank holds no sequence in any step. `crossed`: the model uses its blocks in
+    the reverse of their creation order. `first_detour_ranks` (with `optional`): in the first
+    step exactly these ranks run the detour block, in every microbatch, so the order in which
+    gradients arrive in the first step differs between ranks.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -69,6 +73,8 @@ def training_case(seed: int, world_size: int, steps: int, microbatches: int = 1,
                     sequences = dp.ragged_batch(int(torch.randint(0, 2**31, (), generator=g)),
                                                 count, max_len, min_len=low)
                     detour = bool(optional and torch.rand((), generator=g) < 0.5)
+                    if optional and step == 0 and first_detour_ranks is not None:
+                        detour = rank in first_detour_ranks
                     pieces.append({"sequences": sequences, "detour": detour})
                 per_rank.append(pieces)
             tokens = sum(dp.count_tokens(piece["sequences"]) for pieces in per_rank
@@ -80,7 +86,7 @@ def training_case(seed: int, world_size: int, steps: int, microbatches: int = 1,
                      "fail": {"ranks": list(fail["ranks"]), "microbatch": fail["microbatch"]}
                      if failing else None})
     model = {"seed": seed, "layers": layers, "hidden": hidden, "dtype": dtype, "tied": tied,
-             "optional": optional, "frozen": tuple(frozen)}
+             "optional": optional, "frozen": tuple(frozen), "crossed": crossed}
     return {"model": model, "lr": lr, "bucket_bytes": bucket_bytes, "world_size": world_size,
             "steps": plan}
 
@@ -102,7 +108,7 @@ def build_model(spec: dict, device="cpu"):
     """The case's model; the same weights in every process."""
     return dp.make_model(spec["seed"], spec["layers"], spec["hidden"],
                          getattr(torch, spec["dtype"]), device, spec["tied"], spec["optional"],
-                         spec["frozen"])
+                         spec["frozen"], spec.get("crossed", False))
 
 
 def _fail_inside_backward(model):
