@@ -216,6 +216,45 @@ def independent(drill_id, p):
         P, t, d = p["P"], p["T"] // p["P"], p["d"]
         pieces = [heads * t * d * 2 * (P - 1) / P for heads in (p["H"], p["H_kv"], p["H_kv"], p["H"])]
         return sum(pieces)
+    if drill_id == "mesh-memory":                            # item by item, 1F1B run by torch
+        L, h, tp, pp, dp, m = (p[k] for k in ("layers", "hidden", "tp", "pp", "dp", "m"))
+        psi = L * (12 * h * h + 13 * h) + 51200 * h
+        states = psi / (tp * pp) * (2 + 2 + 12 / dp)            # bf16 w, bf16 g, fp32 x 3 / dp
+        if p["ask"] == "states":
+            return states / 1e9
+        from labkit.pipeline import analysis, schedules
+        held = analysis.peak_alive(schedules.torch_schedule("1F1B", pp, m))[0] if m >= pp else m
+        return (states + 2 * 2048 * h * (L // pp) * held) / 1e9
+    if drill_id == "mesh-links":                             # every group, rank by rank
+        import torch
+        ranks = torch.arange(p["dp"] * p["pp"] * p["tp"]).reshape(p["dp"], p["pp"], p["tp"])
+        by_axis = {"tp": ranks.reshape(-1, p["tp"]),
+                   "pp": ranks.permute(0, 2, 1).reshape(-1, p["pp"]),
+                   "dp": ranks.permute(1, 2, 0).reshape(-1, p["dp"])}
+        return tuple(int(all(len({int(r) // p["G"] for r in group}) == 1 for group in groups))
+                     for groups in (by_axis[a] for a in ("tp", "pp", "dp")))
+    if drill_id == "mesh-choose":                            # the four priced one by one
+        from labkit import mesh
+        from labkit.drill.numeric_mesh import _SCENES
+        row, name, nodes, batch, pairs = _SCENES[p["scene"]]
+        model = mesh.figures.megatron_rows()[row]["model"]
+        cluster = mesh.CLUSTERS[name].with_nodes(nodes)
+        priced = {}
+        for tp, pp in pairs:
+            dp = cluster.gpus // (tp * pp)
+            r = mesh.cost.predict(model, cluster, {"dp": dp, "tp": tp, "pp": pp, "zero_stage": 1,
+                                                   "microbatches": batch // dp}, batch)
+            priced[(tp, pp, dp)] = r
+            if tp > cluster.gpus_per_node:                     # tp across nodes: worst by far
+                assert r["bandwidth"]["tp"] == cluster.inter_bw and r["breakdown"]["tp"] > \
+                    r["breakdown"]["compute"], (p, tp)
+            if tp * pp == 1:                                   # 4 bytes a parameter alone > GPU
+                assert not r["fits"] and 4 * model.parameters > cluster.memory
+        fitting = {k: r["step_time"] for k, r in priced.items() if r["fits"]}
+        best = min(fitting, key=fitting.get)
+        runner_up = sorted(fitting.values())[1]
+        assert runner_up > 1.02 * fitting[best], (p, fitting)  # a choice, not a rounding
+        return best
     raise KeyError(f"no second derivation for drill {drill_id!r}: add one to this test")
 
 
@@ -463,6 +502,42 @@ def test_the_drills_own_slips_are_named_before_the_generic_ones():
     assert "tau/2" in said("steps-lost", {"tau": 8, "ask": "boundary"}, 8 / 7)
     assert "cut short" in said("steps-lost", {"tau": 8, "ask": "random_time"}, 7 / 8)
     assert "had not completed" in said("steps-lost", {"tau": 8, "ask": "one", "kill_at": 20}, 4 / 3)
+
+
+def test_chapter_6_decisions_every_scene_and_their_slips():
+    """mesh-memory at both asks, mesh-links with G = 4 and 8, and mesh-choose in every scene
+    against their second derivations; the slips a hand calculation makes are named."""
+    from labkit.drill.numeric_mesh import _SCENES
+    cases = [("mesh-choose", {"scene": scene, "order": [3, 1, 0, 2]}) for scene in _SCENES]
+    cases += [("mesh-memory", {"layers": 80, "hidden": 12288, "heads": 96, "tp": 8, "pp": 5,
+                               "dp": 8, "m": m, "ask": ask})
+              for m in (4, 16) for ask in ("states", "with_activations")]
+    cases += [("mesh-links", {"tp": tp, "pp": pp, "dp": 4, "G": G})
+              for tp, pp in ((8, 1), (2, 4), (4, 4), (16, 1)) for G in (4, 8)]
+    for drill_id, params in cases:
+        problem = numeric.DRILLS[drill_id].problem(params=params)
+        expected = independent(drill_id, problem.params)
+        if problem.kind == "tuple":
+            assert tuple(problem.answer) == tuple(expected), (drill_id, params)
+        else:
+            assert math.isclose(problem.answer, expected, rel_tol=1e-9), (drill_id, params)
+    said = lambda problem, ratio: drill.check(problem, f"{problem.answer * ratio!r} GB").message
+    states = numeric.DRILLS["mesh-memory"].problem(params=cases[4][1])        # m = 4, states
+    zero = (2 + 2 + 12) / (2 + 2 + 12 / 8)
+    assert "without ZeRO-1" in said(states, zero)
+    assert "tp = 8 times" in said(states, 8) and "pp = 5 times" in said(states, 5)
+    full = numeric.DRILLS["mesh-memory"].problem(params=cases[7][1])          # m = 16, all
+    ledger = full.params
+    act = 2 * 2048 * 12288 * (80 // 5) * 5 / 1e9
+    st = full.answer - act
+    assert "GPipe" in said(full, (st + act * 16 / 5) / full.answer)
+    assert "sequence parallelism" in said(full, (st + act / 8) / full.answer)
+    assert "only the model states" in said(full, st / full.answer)
+    assert ledger["m"] == 16
+    choice = numeric.DRILLS["mesh-choose"].problem(params=cases[0][1])
+    assert drill.check(choice, "16, 1, 4").status == "wrong"
+    assert drill.check(choice, ", ".join(map(str, choice.answer))).status == "right"
+    assert "Lab 6 searches every configuration" in " ".join(choice.solution)
 
 
 def test_no_drill_calls_the_flat_layer_deepseek_v3():

@@ -9,8 +9,10 @@ function the chapter teaches and checks against measurements (never a copy of it
 A drill names the functions it uses by their dotted names (`labkit.collectives.ring_bytes_sent`);
 they are imported when a problem is posed, so a drill whose module or function is absent (an
 older copy of labkit) is skipped with the name of what it waits for. The drills of one topic live in one module: `numeric_comm.py`
-(chapters 1, 3, 4, 5), `numeric_scale.py` (chapters 6-9) and `numeric_recovery.py` (the
-decisions of chapters 8 and 9: snapshot size, a job's MTBF, steps lost) and `numeric_context.py`
+(chapters 1, 3, 4, 5), `numeric_scale.py` (chapters 6-9), `numeric_mesh.py` (the decisions of
+chapter 6: memory per rank, which axis on which link, choosing tp/pp/dp among four),
+`numeric_recovery.py` (the decisions of chapters 8 and 9: snapshot size, a job's MTBF, steps
+lost) and `numeric_context.py`
 (chapter 10: causal work per rank, ring attention and Ulysses bytes).
 """
 from __future__ import annotations
@@ -91,4 +93,5 @@ def draws(draw):
 
 
 from labkit.drill import numeric_comm, numeric_recovery, numeric_scale  # noqa: E402,F401  (they register)
+from labkit.drill import numeric_mesh  # noqa: E402,F401  (chapter 6's decisions register)
 from labkit.drill import numeric_context  # noqa: E402,F401  (chapter 10's drills register)
