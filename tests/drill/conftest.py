@@ -84,11 +84,13 @@ class Terminal:
 
 @pytest.fixture
 def terminal():
-    """terminal(*args): `python -m labkit.drill.terminal *args` on a pseudo-terminal."""
+    """terminal(*args, columns=100): `python -m labkit.drill.terminal *args` on a
+    pseudo-terminal that many columns wide."""
     started = []
 
-    def start(*args):
-        started.append(Terminal([sys.executable, "-m", "labkit.drill.terminal", *args]))
+    def start(*args, columns=100):
+        started.append(Terminal([sys.executable, "-m", "labkit.drill.terminal", *args],
+                                columns=columns))
         return started[-1]
 
     yield start

@@ -767,7 +767,34 @@ def test_terminal_list_and_help(capsys):
     assert all(drill_id in listed for drill_id in numeric.DRILLS)
     assert all(card_id in listed for card_id in cards.CARDS)
     assert max(len(line) for line in terminal.catalogue_text(78).splitlines()) <= 78
-    assert len(terminal.catalogue_text(78).splitlines()) < 2 * len(numeric.DRILLS) + len(cards.CARDS)
     assert terminal.run(parser.parse_args(["-n", "0"])) == 2
     from labkit.tools.cli import run_module            # what `labkit drill` will call
     assert run_module(terminal, ["--list"], prog="labkit drill") == 0
+
+
+@pytest.mark.timeout(90)
+def test_list_at_80_columns_wraps_titles_under_their_column(terminal):
+    """`labkit drill --list` in a terminal of 80 columns: no line reaches the last column (where a
+    terminal wraps it), every id starts an entry, and every title is whole (its words in order),
+    wrapped under the title column, never under the ids."""
+    t = terminal("--list", columns=80)
+    t.expect("cards are seed 004's")
+    assert t.wait() == 0
+    lines = t.screen.rstrip("\n").splitlines()
+    assert max(map(len, lines)) <= 78, max(lines, key=len)
+    column = next(line.index("drill  ") + 7 for line in lines if "  ch." in line)
+    entries, current = {}, None
+    for line in lines:
+        if re.match(r"  \S", line):
+            current = line.split()[0]
+            entries[current] = line[column:]
+        elif current and line.startswith(" " * column) and line.strip():
+            assert line[column] != " " or line.strip().startswith("waits"), line
+            entries[current] += " " + line.strip()
+        elif not line.strip() or line.endswith(":"):
+            current = None
+    rows = {r["id"]: r for r in drill.catalogue()}
+    assert set(entries) == set(rows)
+    for key, row in rows.items():
+        assert entries[key].startswith(row["title"]), (key, entries[key], row["title"])
+    assert not any("..." in row["title"][:-4] for row in rows.values())   # cut at a word only

@@ -22,6 +22,9 @@ Nothing here is a graded answer: every number comes from a function a chapter al
 and measures. A drill whose function is missing from labkit (an older copy of the course) names the
 function it waits for (`drill.catalogue()`) and is skipped.
 """
+import re
+import textwrap
+
 from labkit.drill.base import (AnswerError, DrillError, MissingFormula, Problem,  # noqa: F401
                                Verdict, chapter_link, check, parse_number, parse_ranks)
 from labkit.drill.boxes import Store  # noqa: F401
@@ -50,7 +53,9 @@ def catalogue() -> list:
         for key, c in CARDS.items():
             if c.topic == topic:
                 rows.append({"id": key, "kind": f"card ({c.source})", "topic": topic,
-                             "chapter": c.links[0][0], "title": c.prompt.split(":")[0][:60],
+                             "chapter": c.links[0][0],
+                             "title": textwrap.shorten(re.split(r"[:?]", c.prompt)[0], 64,
+                                                       placeholder=" ..."),
                              "uses": [], "ready": True, "missing": []})
     return rows
 

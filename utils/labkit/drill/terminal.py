@@ -99,22 +99,31 @@ def drive(session: Session, screen: Screen) -> None:
 
 
 def catalogue_text(width: int = 78) -> str:
-    """One line per drill and card, grouped by topic, each cut to `width` (a terminal of 80
-    columns shows it unwrapped); a drill that cannot run yet names what it waits for below it."""
+    """One entry per drill and card, grouped by topic: id, chapter and kind in fixed columns, the
+    title wrapped under its own column (never cut, never spilling under the id), and below a drill
+    that cannot run yet what it waits for. Every line fits in `width` (78 in a terminal of 80)."""
     from labkit.drill import catalogue
     rows = catalogue()
-    key_width = max(len(r["id"]) for r in rows)
+    key_width = min(max(len(r["id"]) for r in rows), 22)
     lines, topic = [], None
     for row in rows:
         if row["topic"] != topic:
             topic = row["topic"]
             lines.append(("" if not lines else "\n") + f"{topic}:")
-        kind = "drill" if row["kind"] == "numeric drill" else "card "
-        line = f"  {row['id']:<{key_width}}  ch.{row['chapter']:<2} {kind}  {row['title']}"
-        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+        kind = "drill" if row["kind"] == "numeric drill" else "card"
+        lead = f"  {row['id']:<{key_width}}  ch.{row['chapter']:<2}  {kind:<5}  "
+        if len(lead) > width // 2:                    # an id too long for its column: own line
+            lines.append(f"  {row['id']}")
+            lead = f"  {'':<{key_width}}  ch.{row['chapter']:<2}  {kind:<5}  "
+        hang = " " * len(lead)
+        lines += textwrap.wrap(row["title"], width, initial_indent=lead, subsequent_indent=hang,
+                               break_on_hyphens=False) or [lead.rstrip()]
         if not row["ready"]:
-            lines.append(f"  {'':<{key_width}}  waits for {', '.join(row['missing'])}")
-    lines.append("\nNumeric drills draw fresh numbers each time; cards are seed 004's questions.")
+            lines += textwrap.wrap("waits for " + ", ".join(row["missing"]), width,
+                                   initial_indent=hang, subsequent_indent=hang + "  ")
+    lines.append("")
+    lines += textwrap.wrap("Numeric drills draw fresh numbers each time; cards are seed 004's "
+                           "questions.", width)
     return "\n".join(lines)
 
 
