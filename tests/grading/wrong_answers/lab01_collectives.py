@@ -6,8 +6,8 @@ task 1 2 + 1 + 2, task 2 1 + 1 + 1, task 3 1 + 1):
   the reduced chunk to everyone): right values, the ring's byte total at P = 3, not a ring;
 - task 2, test_task2_recursive_doubling_partners (1): dist.all_reduce inside (right values, no
   exchange with the partner r XOR 2^k);
-- task 3, test_task3_all_to_all_seconds (1): one latency for the whole all_to_all instead of one
-  per message.
+- task 3, test_task3_all_to_all_seconds (1): one latency for the whole uneven all_to_all instead
+  of one per message (P - 1 of them, empty blocks included).
 "alone_any_op_max_ring_steps_own_block" (4 of 10):
 - task 1, test_task1_ring_any_world (1) and test_task1_ring_values (2): a world of one rank
   zeroes the tensor, and an unknown op is reduced as a max instead of refused (only the values
@@ -15,7 +15,8 @@ task 1 2 + 1 + 2, task 2 1 + 1 + 1, task 3 1 + 1):
   points);
 - task 2, test_task2_recursive_doubling_values (1): max reduced as a sum (the same exchanges);
 - task 2, test_task2_crossover (1): the ring counted as P - 1 steps instead of 2 (P - 1);
-- task 3, test_task3_all_to_all_bytes (1): the block a rank keeps counted as sent.
+- task 3, test_task3_all_to_all_rows (1): the rows a rank routes to itself left out of what it
+  returns (its own block treated as if it never took part).
 test_labs.py's ATTACKS hold lab 1's forged and dodged rings; tests/chapters/test_ch01_collectives.py
 runs the direct exchange alone."""
 from wrong_answers import swap
@@ -56,8 +57,8 @@ ALL_REDUCE_INSIDE = swap(("    P, rank = dist.get_world_size(), dist.get_rank()\
                           "    P, rank = dist.get_world_size(), dist.get_rank()\n"
                           "    flat = tensor.view(-1)                                   # flat: [N]\n"))
 
-ONE_LATENCY = swap(("    return messages * (alpha + n_bytes / world_size * beta)",
-                    "    return (alpha if messages else 0) + messages * n_bytes / world_size * beta"))
+ONE_LATENCY = swap(("    return messages * alpha + busiest * beta",
+                    "    return (alpha if messages else 0) + busiest * beta"))
 
 ZEROED_ALONE_ANY_OP = swap(
     ("    if P == 1 or N == 0:\n        return tensor\n",
@@ -69,7 +70,10 @@ MAX_AS_SUM = swap(("            torch.maximum(flat, other, out=flat)", "        
 
 RING_STEPS_HALF = swap(("    ring_steps = 2 * (world_size - 1)", "    ring_steps = world_size - 1"))
 
-OWN_BLOCK = swap(("    return (world_size - 1) * (n_bytes / world_size)", "    return n_bytes if world_size > 1 else 0"))
+OWN_BLOCK = swap(("    P = dist.get_world_size()\n    order = torch.argsort(dest, stable=True)",
+                  "    P = dist.get_world_size()\n    away = dest != dist.get_rank()\n"
+                  "    rows, dest = rows[away], dest[away]                     # own rows dropped\n"
+                  "    order = torch.argsort(dest, stable=True)"))
 
 WRONG = {
     "direct_all_reduce_one_latency": ({"task1_ring_all_reduce": lambda _: DIRECT_EXCHANGE,

@@ -92,17 +92,20 @@ def _chunk_sizes(length, P):
 def ring_payload(length, P, itemsize):
     """(data, messages): bytes and messages rank r must send to rank q in the lab's ring.
 
-    Reduce-scatter step s: rank r sends chunk (r - s) mod P to (r + 1) mod P; all-gather step s:
-    chunk (r + 1 - s) mod P. Empty chunks are not sent."""
+    Counted from what each half must deliver, not step by step: in the reduce-scatter rank r
+    passes its right neighbour a partial sum of every chunk but the one rank r itself finishes,
+    chunk (r + 1) mod P; in the all-gather it passes on every finished chunk but the one its
+    right neighbour finished, chunk (r + 2) mod P. Everything goes to (r + 1) mod P, one
+    message per non-empty chunk."""
     sizes = _chunk_sizes(length, P)
     data = [[0] * P for _ in range(P)]
     messages = [[0] * P for _ in range(P)]
     for r in range(P):
         right = (r + 1) % P
-        for s in range(P - 1):
-            for chunk in ((r - s) % P, (r + 1 - s) % P):
-                data[r][right] += sizes[chunk] * itemsize
-                messages[r][right] += 1 if sizes[chunk] else 0
+        for kept in ((r + 1) % P, (r + 2) % P):              # reduce-scatter, then all-gather
+            passed = [c for c in range(P) if c != kept]       # P - 1 chunks
+            data[r][right] += sum(sizes[c] for c in passed) * itemsize
+            messages[r][right] += sum(1 for c in passed if sizes[c])
     return data, messages
 
 
@@ -194,3 +197,103 @@ def explain_ops(used: dict) -> None:
     if bad:
         raise AssertionError(f"these ranks called more than send/recv/isend/irecv: {bad}; build "
                              f"the all-reduce from {list(POINT_TO_POINT_OPS)} only")
+
+
+# ---- task 3: the uneven all_to_all of a mixture-of-experts dispatch ----------------------------
+
+ROW_DTYPES = ("float32", "float64", "int64")
+COUNT_BYTES = 8            # the int64 count a rank sends each other rank before the rows
+MARGIN_BYTES = 56          # on top of framing and count; measured overhead is exact (below)
+
+
+def routing_table(case, P, pattern="random"):
+    """counts[r][q]: rows rank r routes to rank q, a P x P table drawn from `case`.
+
+    Every table has a zero off the diagonal (an empty block: gloo still sends a header for it)
+    and a hot receiver that gets 24-40 rows from every rank (a popular expert), so that a rank
+    padding every block to the largest one sends at least 24 rows too many on the empty pair.
+    pattern="hot" also gives rank P - 1 nothing to receive and, for P >= 3, rank 1 no rows at all.
+    """
+    if pattern not in ("random", "hot"):
+        raise ValueError(f"pattern must be 'random' or 'hot', got {pattern!r}")
+    counts = case.integers(1, 12, (P, P)).tolist()
+    if P == 1:
+        return counts
+    hot = case.integer(0, P - 1) if pattern == "random" else 0
+    for r in range(P):
+        counts[r][hot] = case.integer(24, 40)
+    counts[hot][(hot + 1) % P] = 0                # an empty block: the hot rank sends right nothing
+    if pattern == "hot":
+        for r in range(P):
+            counts[r][P - 1] = 0 if r != P - 1 else counts[r][P - 1]
+        if P >= 3:
+            counts[1] = [0] * P
+    return counts
+
+
+def _rows_program(share, fn):
+    """On a rank: hand this rank's rows and destinations to fn; return what arrived."""
+    rows, dest = share
+    return fn(rows.clone(), dest.clone())
+
+
+def check_uneven_all_to_all(world, fn, hidden=64, dtype="float32", pattern="random", timeout=20):
+    """fn(rows, dest) on every rank: rows [M_r, H], dest [M_r] (int64 ranks). It must return the
+    rows every rank routed here, [sum_q counts[q][r], H]: rank 0's first, then rank 1's, ..., each
+    sender's rows in their original order. On the same call, the bytes each rank sent to each
+    other rank (counted outside the ranks) must be the rows it routed there: counts[r][q] * H *
+    itemsize, plus gloo's framing (`GLOO_FRAMING_BYTES` per message; two collectives, the counts
+    and the rows, so two messages per pair even where a block is empty) and the count itself (8
+    bytes), within 56 bytes. The rows a rank keeps never travel. The world must have teaching
+    mode off (its fingerprints add more bytes than that)."""
+    import torch
+    from labkit.collectives import GLOO_FRAMING_BYTES
+    if world.teaching:
+        raise ValueError("check_uneven_all_to_all needs a world with teaching=False: teaching "
+                         "mode's fingerprint exchange adds 300-3100 bytes per pair to every "
+                         "collective, more than the framing the check allows; use "
+                         "labkit.world(P, backend=BACKEND, teaching=False)")
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"dtype must be one of {ROW_DTYPES}, got {dtype!r}")
+    P = world.size
+    case = checks.Case(f"uneven all_to_all of rows [M, {hidden}] {dtype}, routing {pattern!r}, P={P}")
+    counts = routing_table(case, P, pattern)                          # [P, P]
+    shares = []
+    for r in range(P):
+        dest = torch.tensor([q for q in range(P) for _ in range(counts[r][q])], dtype=torch.int64)
+        dest = dest[torch.tensor(case.permutation(dest.numel()), dtype=torch.int64)]   # [M_r], mixed
+        rows = case.exact_values((dest.numel(), hidden), dtype)      # [M_r, H]
+        shares.append((rows, dest))
+    expected = [torch.cat([rows[dest == q] for rows, dest in shares]) for q in range(P)]  # [R_q, H]
+    with world.traffic() as traffic:
+        results = world.run_each(_rows_program, shares, fn, timeout=timeout)
+    checks.one_result_per_rank(results, P, case, what="the all_to_all")
+    for rank, got in enumerate(results):
+        hint = ""
+        if isinstance(got, torch.Tensor) and got.shape == expected[rank].shape \
+                and not torch.equal(got, expected[rank]):
+            hint = ("the right number of rows, in the wrong order or from the wrong senders: "
+                    "sort the rows by destination with a stable sort, so each block keeps its "
+                    "order, and read the output as blocks from rank 0, 1, ... in turn")
+        elif isinstance(got, torch.Tensor) and got.dim() and got.size(0) != expected[rank].size(0):
+            hint = (f"{got.size(0)} rows came back, {expected[rank].size(0)} were routed here: size "
+                    "the output from the counts the other ranks send you (output_split_sizes), "
+                    "including the rows this rank keeps")
+        checks.check(got, expected[rank], f"rank {rank}'s received rows", rtol=0, atol=0,
+                     case=case, hint=hint)
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    data = [[counts[r][q] * hidden * itemsize if q != r else 0 for q in range(P)] for r in range(P)]
+    messages = [[2 if q != r else 0 for q in range(P)] for r in range(P)]
+    # Tolerance per pair r -> q: 2 messages each way, and each message puts a 96-byte header on
+    # its sender's socket and a 48-byte notice on its receiver's (GLOO_FRAMING_BYTES = 144 per
+    # message): 2 x 144 = 288 B, which expect_traffic counts as per_message x (2 + 2) with
+    # per_message = 72; plus the 8-byte count and a 56-byte margin. Measured on this solution's
+    # exchange at P = 2, 3, 4: exactly 296 B over the rows on every pair.
+    checks.expect_traffic(
+        traffic, data, messages, case=case, what="the uneven all_to_all",
+        slack=COUNT_BYTES + MARGIN_BYTES, per_message=GLOO_FRAMING_BYTES / 2,
+        hint=("each pair should carry exactly the rows routed along it: exchange the counts first "
+              "(one all_to_all_single of P integers), then one all_to_all_single of the rows with "
+              "input_split_sizes and output_split_sizes; padding every block to the largest, or "
+              "sending every row everywhere, shows on the pairs with few rows"))
+    return traffic
