@@ -749,3 +749,17 @@ def test_self_checks_ask_first_and_keep_their_answers_in_labkit(capsys):
         assert spelled not in code
     for name in selfcheck.questions():
         assert f"{name} = None" in code and f'selfcheck.ask("{name}", {name})' in code
+
+
+def test_sequence_parallel_in_the_model_same_tp_bytes_twice_the_collectives_activations_over_t():
+    model = figures.Model("probe", 24, 4096, 32)
+    for t, p in ((4, 1), (8, 2), (2, 4)):
+        config = {"dp": 2, "tp": t, "pp": p, "zero_stage": 1, "microbatches": 8}
+        plain = cost.axis_bytes(model, config, 32, recompute="none", pp_scatter_gather=False)
+        sp = cost.axis_bytes(model, config, 32, recompute="none", sequence_parallel=True)
+        assert sp["tp"] == pytest.approx(plain["tp"])             # RS + AG = AR, no gather on arrival
+        assert sp["calls"]["tp"] == 2 * plain["calls"]["tp"]
+        assert sp["pp"] == pytest.approx(plain["pp"] / t)
+        whole = cost.memory(model, config, 32, recompute="full")["activations"]
+        split = cost.memory(model, config, 32, recompute="full", sequence_parallel=True)["activations"]
+        assert whole == pytest.approx(t * split)

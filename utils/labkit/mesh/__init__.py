@@ -20,6 +20,7 @@
 | `widget` | the configuration explorer (ipywidgets) |
 | `wire` | bytes counted on the wire, summed by how two ranks relate (same tp, pp or dp group, or none) |
 | `pictures` | the mesh by node with each axis's groups coloured; one 3D step's timeline |
+| `selfcheck` | the chapter's self-checks: the answers, computed when asked, shown after an attempt |
 | `checks`, `train_checks` | lab 6's checkers |
 
 Not here (lab 6): a layout for any axes in any order with the node check (task 1), a 3D step with

@@ -21,7 +21,9 @@ sequences per microbatch, s tokens each, h hidden, 2-byte activations and weight
                                        stage all-gathers it over tp; Megatron-LM's default,
                                        scatter_gather_tensors_in_pipeline; with sequence
                                        parallelism Megatron-Core sends [s/t, b, h] anyway);
-                                       pp_scatter_gather=False charges every tp rank the whole
+                                       pp_scatter_gather=False charges every tp rank the whole;
+                                       sequence_parallel=True: the same tp bytes in twice the
+                                       collectives, the pp message [s/t, b, h] (`axis_bytes`)
     dp         `dp_wire_bytes` of the rank's Psi' = Psi / (tp pp) parameters, / bw_dp: gradients
                in `grad_bytes` (default 4: FP32, Megatron-LM's default for BF16 training and
                FSDP2 recipes' reduce_dtype=float32), weights gathered in 2 bytes
@@ -156,8 +158,13 @@ def problems(model: Model, cluster: Cluster, config: dict, global_batch: int) ->
 
 def axis_bytes(model: Model, config: dict, global_batch: int, recompute: str = "full", *,
                reshard: str = "microbatch", grad_bytes: float = GRAD_BYTES,
-               pp_scatter_gather: bool = True) -> dict:
-    """Bytes one rank sends per step on each axis, and the collectives or messages it issues."""
+               pp_scatter_gather: bool = True, sequence_parallel: bool = False) -> dict:
+    """Bytes one rank sends per step on each axis, and the collectives or messages it issues.
+
+    sequence_parallel (chapter 4; Korthikanti et al. 2022): each tp all-reduce becomes a
+    reduce-scatter and an all-gather, the same (t-1)/t + (t-1)/t bytes in twice the collectives;
+    the activation between stages is already sharded [s/t, b, h] (Megatron-Core's
+    `get_tensor_shapes`), so the pipeline sends 1/t of it and nothing is all-gathered on arrival."""
     dp, tp, pp, stage, m = (config[k] for k in ("dp", "tp", "pp", "zero_stage", "microbatches"))
     b = global_batch // (dp * m)
     activation = b * model.seq * model.hidden * BYTES                 # one [b, s, h] tensor
@@ -167,7 +174,10 @@ def axis_bytes(model: Model, config: dict, global_batch: int, recompute: str = "
     tp_bytes = tp_calls * 2 * (tp - 1) / tp * activation
     pp_calls = 2 * m if pp > 1 else 0
     pp_bytes = pp_calls * activation
-    if pp_scatter_gather and pp > 1 and tp > 1:
+    if sequence_parallel and tp > 1:
+        tp_calls *= 2                             # reduce-scatter + all-gather per all-reduce
+        pp_bytes /= tp                            # [s/t, b, h] between stages, kept sharded
+    elif pp_scatter_gather and pp > 1 and tp > 1:
         pp_bytes /= tp                            # each tp rank sends its 1/tp of [b, s, h] ...
         tp_calls += pp_calls                      # ... and the receiver all-gathers it over tp
         tp_bytes += pp_calls * (tp - 1) / tp * activation
@@ -187,7 +197,7 @@ def bandwidths(cluster: Cluster, config: dict) -> dict:
 
 
 def memory(model: Model, config: dict, global_batch: int, recompute: str = "full", *,
-           reshard: str = "microbatch") -> dict:
+           reshard: str = "microbatch", sequence_parallel: bool = False) -> dict:
     """Chapter 3's per-rank ledger for this configuration (1F1B, peak with transients). With
     reshard="step", ZeRO-2 and 3 hold the whole weights and gradients of the rank during the step:
     their peak is ZeRO-1's ledger."""
@@ -199,21 +209,23 @@ def memory(model: Model, config: dict, global_batch: int, recompute: str = "full
     return ledger.per_rank_ledger(
         model.layers, model.hidden, model.heads, model.seq, global_batch // (config["dp"] * m),
         vocab=model.vocab, dp=config["dp"], tp=config["tp"], pp=config["pp"],
-        zero_stage=stage, recompute=recompute, schedule="1f1b", microbatches=m)
+        zero_stage=stage, recompute=recompute, schedule="1f1b", microbatches=m,
+        sequence_parallel=sequence_parallel)
 
 
 def predict(model: Model, cluster: Cluster, config: dict, global_batch: int,
             recompute: str = "full", efficiency: float = EFFICIENCY, alpha: float = ALPHA,
             memory_limit: float | None = None, dp_overlap: float = 0.0, *,
             reshard: str = "microbatch", grad_bytes: float = GRAD_BYTES,
-            pp_scatter_gather: bool = True) -> dict:
+            pp_scatter_gather: bool = True, sequence_parallel: bool = False) -> dict:
     """Step time (seconds, and its parts), peak memory per rank and whether it fits, throughput.
 
     Raises ValueError listing every reason when the configuration cannot run (see `problems`).
     memory_limit: bytes a rank may use (default: the GPU's memory). dp_overlap: the fraction of
     the dp time hidden behind backward (0: none, the model's default; today's stacks overlap it:
     Megatron-Core's --overlap-grad-reduce (2023), FSDP2, DeepSpeed. Megatron-LM's 2021 runs did
-    not). reshard, grad_bytes, pp_scatter_gather: see the module docstring."""
+    not). reshard, grad_bytes, pp_scatter_gather: see the module docstring; sequence_parallel:
+    `axis_bytes` and chapter 3's ledger (activations that were whole on every tp rank split by t)."""
     found = problems(model, cluster, config, global_batch)
     if found:
         raise ValueError("; ".join(found))
@@ -221,7 +233,8 @@ def predict(model: Model, cluster: Cluster, config: dict, global_batch: int,
     flops = flops_per_step(model, global_batch, recompute)
     compute = flops / (cluster.gpus * cluster.peak_flops * efficiency)
     sent = axis_bytes(model, config, global_batch, recompute, reshard=reshard,
-                      grad_bytes=grad_bytes, pp_scatter_gather=pp_scatter_gather)
+                      grad_bytes=grad_bytes, pp_scatter_gather=pp_scatter_gather,
+                      sequence_parallel=sequence_parallel)
     bw = bandwidths(cluster, config)
     parts = {"compute": compute, "bubble": compute * (pp - 1) / m}
     for axis in ("tp", "pp", "dp"):
@@ -229,7 +242,8 @@ def predict(model: Model, cluster: Cluster, config: dict, global_batch: int,
     parts["dp"] *= 1.0 - dp_overlap
     parts["latency"] = alpha * sum(sent["calls"].values())
     step = sum(parts.values())
-    ledger_ = memory(model, config, global_batch, recompute, reshard=reshard)
+    ledger_ = memory(model, config, global_batch, recompute, reshard=reshard,
+                     sequence_parallel=sequence_parallel)
     limit = cluster.memory if memory_limit is None else memory_limit
     return {"step_time": step, "breakdown": parts,
             "bytes": {k: sent[k] for k in ("tp", "pp", "dp")},

@@ -85,6 +85,8 @@ def explorer():
                                     layout=wide()),
         "recompute": w.Dropdown(options=["full", "selective", "none"], value="full",
                                 description="recompute", style=style, layout=wide()),
+        "sequence_parallel": w.Checkbox(False, description="sequence parallel", indent=False,
+                                        style=style, layout=wide()),
     }
     out = w.Output()
 
@@ -102,7 +104,8 @@ def explorer():
                       "zero_stage": v["zero_stage"], "microbatches": v["microbatches"]}
             try:
                 predicted = cost.predict(model, cluster, config, v["global_batch"], v["recompute"],
-                                         reshard=v["reshard"])
+                                         reshard=v["reshard"],
+                                         sequence_parallel=v["sequence_parallel"])
             except ValueError as error:
                 print(error)
                 return
