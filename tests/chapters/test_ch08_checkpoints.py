@@ -13,7 +13,7 @@ import lab_notebooks
 import labkit
 from labkit import checks as base_checks
 from labkit.checkpoint import (CheckpointError, bench, checks, checks_async, checks_resume, crash,
-                               interval, layout, resume, store, zero)
+                               interval, killclock, layout, resume, store, zero)
 from labkit.grading.references import checkpoint as checkpoint_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,6 +233,53 @@ def test_simulation_matches_daly_for_exponential_failures():
     walls = interval.simulate(W, tau, C, R, interval.failure_sampler("exponential", M), 4000, 1)
     expected = interval.daly_wall_time(tau, C, M, R, W)
     assert abs(walls.mean() - expected) < 4 * walls.std() / math.sqrt(len(walls))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 12), st.floats(0, 3),
+       st.lists(st.floats(0.01, 30), min_size=0, max_size=8))
+def test_killclock_replay_is_interval_simulate_with_the_same_failures(work, tau, C, gaps):
+    """replay (the schedule the real kills are compared with) is interval.simulate's model, R = 0,
+    fed the same times between failures (then none for a long while)."""
+    failures = [sum(gaps[:i + 1]) for i in range(len(gaps))]
+    queue = list(gaps) + [1e12] * 100
+
+    def draw(rng, n):
+        return [queue.pop(0) for _ in range(n)]
+
+    import numpy as np
+    wall = interval.simulate(float(work), float(tau), C if C > 0 else 1e-12, 0.0,
+                             lambda rng, n: np.array(draw(rng, n)), trials=1)[0]
+    got = killclock.replay(work, tau, C if C > 0 else 1e-12, failures)
+    assert math.isclose(got["wall"], wall, rel_tol=1e-9, abs_tol=1e-9)
+    assert all(0 <= s <= work and s % tau == 0 for s in got["resumed_from"])
+
+
+def test_killclock_replay_averages_to_daly_with_no_restart_time():
+    work, tau, C, M, runs = 60, 5, 1.0, 12.0, 3000
+    walls = [killclock.replay(work, tau, C, killclock.failure_times(M, 2000.0, seed))["wall"]
+             for seed in range(runs)]
+    mean = sum(walls) / runs
+    sd = math.sqrt(sum((w - mean) ** 2 for w in walls) / (runs - 1))
+    assert abs(mean - interval.daly_wall_time(tau, C, M, 0.0, work)) < 4 * sd / math.sqrt(runs)
+
+
+def test_killclock_real_ranks_resume_where_the_schedule_says(tmp_path):
+    """Real ranks, SIGKILLed on the clock: each restart loads the newest save that finished
+    before its failure (a kill during a save leaves none), and the job's wall is the replay's."""
+    world = labkit.world(2, teaching=False)
+    seed = next(seed for seed in range(100) if len(killclock.replay(
+        12, 3, 1.0, killclock.failure_times(5.0, 1e3, seed))["resumed_from"]) >= 2)
+    run = killclock.run_job(world, str(tmp_path), work=12, tau=3, C=1.0, M=5.0, seed=seed)
+    expected = killclock.replay(12, 3, 1.0, run["failures"])
+    assert run["failures"] and run["restarts"] >= len(run["failures"]) - 1
+    assert run["resumed_from"] == expected["resumed_from"]
+    assert math.isclose(run["wall"], expected["wall"], rel_tol=1e-12)
+
+
+def test_killclock_refuses_fractional_steps():
+    with pytest.raises(ValueError, match="whole steps"):
+        killclock.replay(10, 2.5, 1.0, [])
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,6 +14,7 @@
 | `resume` | capture / restore of the bench's full state (replicated trainer) | 4; ch. 9 |
 | `zero` | the ZeRO-1 layout: flat buffer, per-rank ranges, global shapes and offsets | 5 |
 | `interval` | Young's and Daly's intervals, the waste model, a Monte-Carlo failure simulator | 7 |
+| `killclock` | a real job SIGKILLed on an exponential clock (virtual step time), its replay in arithmetic | 7 |
 | `checks`, `checks_resume`, `checks_async` | lab 8's checkers (tasks 1, 2, 3-4) | lab 8 |
 
 Lab 8 asks for a retention policy on top of `store` (task 1) and for a sharded resume (task 2;
@@ -23,7 +24,8 @@ from labkit.checkpoint.layout import (CheckpointError, check_name, manifest_path
                                       published_ids, sha256_bytes, sha256_file, shard_folder,
                                       snapshot_id)
 
-_SUBMODULES = ("layout", "store", "crash", "bench", "resume", "zero", "interval", "checks")
+_SUBMODULES = ("layout", "store", "crash", "bench", "resume", "zero", "interval", "killclock",
+               "checks")
 
 
 def __getattr__(name):

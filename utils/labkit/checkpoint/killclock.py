@@ -1,0 +1,169 @@
+"""Young's and Daly's intervals against real kills: ranks SIGKILLed on an exponential clock
+(chapter 8, section 7).
+
+    run = killclock.run_job(world, root, work=60, tau=5, C=1.0, M=12.0, seed=0)
+    run["wall"]              # the job's clock when it finished: work + what was lost
+    run["resumed_from"]      # after each kill, the step the restarted ranks loaded (from the store)
+    killclock.replay(60, 5, 1.0, run["failures"])       # the same, in arithmetic
+
+The clock is virtual so that the check is in counts, not in this machine's timings: a step costs
+1 unit, a save C units, a restart R = 0. Failures come from an exponential clock of mean M units
+(`failure_times`). What is real: every attempt is a world of real ranks that builds chapter 8's
+bench trainer, restores the newest snapshot that `store.load_latest` verifies, trains and
+publishes a snapshot every `tau` steps (each rank's shard, the agreement, rank 0's commit); when
+the clock passes the next failure, a rank SIGKILLs itself, during a step or between its shard and
+the agreement of a save, and labkit restarts the world. Where the next attempt resumes is what the
+store kept, not what the clock says.
+
+`replay` is the same schedule in arithmetic (interval.simulate's model, with the failure times
+given): the wall time the job should have if each restart resumed from the newest save that
+finished before its failure. Daly's T(tau) with R = 0 is its expectation.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import signal
+
+import numpy as np
+
+
+def failure_times(M: float, horizon: float, seed: int) -> list[float]:
+    """Times of failures on an exponential clock of mean M (units), up to `horizon`, and one
+    beyond it (the job cannot outrun the clock)."""
+    if not (M > 0 and horizon > 0):
+        raise ValueError(f"M and horizon must be positive, got M={M}, horizon={horizon}")
+    rng = np.random.default_rng(seed)
+    times, t = [], 0.0
+    while t <= horizon:
+        t += float(rng.exponential(M))
+        times.append(t)
+    return times
+
+
+def replay(work: int, tau: int, C: float, failures: list[float]) -> dict:
+    """The schedule in arithmetic: segments of tau steps (the last may be shorter), each followed
+    by a save of C; a failure loses everything since the last save that finished; R = 0.
+    Returns {"wall", "resumed_from": [the step each attempt after a failure starts from]}."""
+    _check(work, tau, C)
+    t, done, resumed, pending = 0.0, 0, [], list(failures)
+    while done < work:
+        segment = min(tau, work - done)
+        finish = t + segment + C
+        if pending and finish > pending[0]:
+            t = pending.pop(0)                # the segment in progress, or its save, is lost
+            resumed.append(done)
+            continue
+        t, done = finish, done + segment
+    return {"wall": t, "resumed_from": resumed}
+
+
+def _check(work, tau, C):
+    if not (isinstance(work, int) and isinstance(tau, int) and work >= 1 and tau >= 1):
+        raise ValueError(f"work and tau are whole steps >= 1, got work={work!r}, tau={tau!r}")
+    if not C >= 0:
+        raise ValueError(f"C must be >= 0, got {C!r}")
+
+
+def _save(root, trainer, steps):
+    import torch.distributed as dist
+    from labkit.checkpoint import resume, snapshot_id, store
+    rank = dist.get_rank()
+    sid = snapshot_id(steps)
+    entry = store.write_shard(root, sid, f"rank{rank}.pt", resume.to_bytes(resume.capture(trainer)))
+    return sid, entry
+
+
+def attempt(root: str, work: int, tau: int, C: float, start: float, failure: float | None,
+            victim: int = 1) -> dict:
+    """One attempt of the job, as every rank runs it (see the module docstring). `start`: the
+    clock when this attempt begins; `failure`: when the next failure strikes (None: never).
+    Returns {"resumed_from", "wall"} when the job finishes; rank `victim` SIGKILLs itself when
+    the clock passes `failure`."""
+    import torch.distributed as dist
+    from labkit.checkpoint import bench, resume, store
+    _check(work, tau, C)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    victim = min(victim, size - 1)
+    trainer = bench.Trainer(bench.CONFIG)
+    found = store.load_latest(root)
+    if found is not None:
+        resume.restore(trainer, resume.from_bytes(found["shards"][f"rank{rank}.pt"]))
+    resumed_from, clock = trainer.steps, start
+
+    def die_if(cost):
+        if failure is not None and clock + cost > failure and rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    while trainer.steps < work:
+        segment = min(tau, work - trainer.steps)
+        for _ in range(segment):
+            die_if(1.0)                                     # the failure strikes during this step
+            trainer.step()
+            clock += 1.0
+        sid, entry = _save(root, trainer, trainer.steps)
+        die_if(C)                                           # during the save: shard written, no commit
+        entries = [None] * size
+        dist.all_gather_object(entries, entry)
+        if rank == 0:
+            store.commit(root, sid, entries, {"step": trainer.steps, "world_size": size})
+        dist.barrier()
+        clock += C
+    return {"resumed_from": resumed_from, "wall": clock}
+
+
+def run_job(world, root: str, work: int, tau: int, C: float, M: float, seed: int,
+            timeout: float = 120.0) -> dict:
+    """Run the job to the end on `world`, one attempt per failure of the clock; returns
+    {"wall", "failures" (the times that struck), "resumed_from" (per attempt after a failure, the
+    step read from the store before it started: what the ranks loaded), "restarts"}. labkit's
+    "restarting the world" line, printed once per kill, is counted instead of printed."""
+    import labkit
+    from labkit.checkpoint import store
+    _check(work, tau, C)
+    horizon = 20.0 * (work + C * math.ceil(work / tau)) + 10 * M
+    clock_times = failure_times(M, horizon, seed)
+    start, resumed, struck, restarts = 0.0, [], [], 0
+    for failure in clock_times:
+        found = store.load_latest(root)
+        step = 0 if found is None else found["metadata"]["step"]
+        if struck:
+            resumed.append(step)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(said):
+                result = world.call(attempt, (root, work, tau, C, start, failure), timeout=timeout)
+        except labkit.RankDied:
+            struck.append(failure)
+            start = failure                                 # R = 0: the next attempt starts now
+            continue
+        finally:
+            for line in said.getvalue().splitlines():
+                if line.startswith("labkit: restarting the world"):
+                    restarts += 1
+                else:
+                    print(line)
+        if any(r["resumed_from"] != step for r in result):
+            raise RuntimeError(f"the ranks resumed from {[r['resumed_from'] for r in result]}, "
+                               f"the store's newest verified snapshot is step {step}")
+        return {"wall": result[0]["wall"], "failures": struck, "resumed_from": resumed,
+                "restarts": restarts}
+    raise RuntimeError(f"the job did not finish before {len(clock_times)} failures (M={M} too "
+                       f"small for work={work}, tau={tau}, C={C}?)")
+
+
+def lost_fraction(wall: float, work: int) -> float:
+    """(wall - work) / work: the time lost to saves and failures, as a fraction of the work."""
+    return wall / work - 1
+
+
+def spread_of_mean(work: int, tau: int, C: float, M: float, runs: int, trials: int = 20000,
+                   seed: int = 0) -> float:
+    """The standard deviation of the mean lost fraction of `runs` jobs of this size, from
+    interval.simulate (Daly's model, R = 0): the resolution a handful of kills allows."""
+    from labkit.checkpoint import interval
+    draw = interval.failure_sampler("exponential", M)
+    walls = interval.simulate(work, tau, C, 0.0, draw, trials, seed=seed)
+    return float(np.std(walls / work - 1) / math.sqrt(runs))
