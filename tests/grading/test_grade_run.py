@@ -201,3 +201,35 @@ def test_no_isolation_grades_warns_and_kills_daemons(course, tmp_path, monkeypat
     for pid in survivors:
         os.kill(int(pid), signal.SIGKILL)
     assert not survivors, f"daemons of the submission outlived its grading: {survivors}"
+
+
+_TWO_RUNS = '''
+import os, sys
+from labkit.grading import grade
+course, subs, out = sys.argv[1:4]
+if __name__ == "__main__":
+    os.environ["LABKIT_GRADING_NO_SANDBOX"] = "1"       # the first run starts the forkserver
+    first = grade("{lab}", subs, jobs=1, out=out + "/a", course=course, no_isolation=True,
+                  log=lambda line: None)
+    del os.environ["LABKIT_GRADING_NO_SANDBOX"]
+    second = grade("{lab}", subs, jobs=1, out=out + "/b", course=course,
+                   log=lambda line: None)
+    print("SCORES", first.scores, second.scores, second.not_graded)
+'''
+
+
+@needs_root_sandbox()
+def test_a_second_run_in_one_process_sees_the_environment_of_its_own_time(course, tmp_path):
+    """grade() twice in one Python process: the first without the sandbox (the variable set),
+    the second with it. The workers are forked from a server the first run started; they used
+    to see its environment (sandbox refused, every cell 0 and nbgrader's autograde failing on a
+    plain-dict output); now each job carries the grader's environment of its own time."""
+    subs = tmp_path / "subs"
+    make_submission(str(course), str(subs), "twice")
+    script = tmp_path / "two_runs.py"
+    script.write_text(_TWO_RUNS.format(lab=LAB))
+    done = subprocess.run([sys.executable, str(script), str(course), str(subs),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=900)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("SCORES")), "")
+    assert done.returncode == 0 and line == "SCORES {'twice': 6.0} {'twice': 6.0} []", \
+        (line, done.stdout[-2000:], done.stderr[-3000:])

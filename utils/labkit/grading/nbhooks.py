@@ -22,9 +22,12 @@ from traitlets import Dict, Unicode
 from labkit.grading import notebook as nbtools
 
 
-def _fail(text: str) -> dict:
-    return {"output_type": "error", "ename": "NotGraded", "evalue": text,
-            "traceback": [f"NotGraded: {text}"]}
+def _fail(text: str):
+    """An error output, as a NotebookNode: nbgrader's preprocessors after this one read outputs
+    by attribute (LimitOutput: `output.output_type`), and a plain dict there failed the whole
+    notebook's autograde ("No notebooks were matched") instead of scoring the cell 0."""
+    return _as_node({"output_type": "error", "ename": "NotGraded", "evalue": text,
+                     "traceback": [f"NotGraded: {text}"]})
 
 
 class InjectVerdicts(NbGraderPreprocessor):

@@ -626,7 +626,8 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
                           if os.path.exists(os.path.join(dest, f"{nb}.ipynb"))},
             "run_dir": os.path.join(sandbox_base, run_id, student), "seed_dir": seed,
             "nonce": nonces[student], "result_path": result_path, "time_limit": time_limit,
-            "cell_timeout": cell_timeout, "limits": dict(limits or {})})
+            "cell_timeout": cell_timeout, "limits": dict(limits or {}),
+            "environ": dict(os.environ)})
     log(f"labkit grade {lab}: {len(job_list)} submissions, {jobs} at a time"
         + (f" (shard {shard_name})" if shard else ""))
     try:

@@ -408,6 +408,11 @@ def grade_submission(job: dict) -> dict:
                                         kill_adopted)
     _die_with_parent()      # the grader stopped or killed: this worker (and its kernels) too
     become_subreaper()      # an unisolated kernel's daemons come back here, to be killed
+    if "environ" in job:    # the grader's environment now, not the forkserver's (started by an
+        os.environ.clear()  # earlier grade() of this process, maybe under other variables)
+        os.environ.update(job["environ"])
+        import tempfile
+        tempfile.tempdir = None
     if job.get("limits", {}).get("isolate", True):   # a memory cgroup of its own (issue 33)
         run_id = os.path.basename(os.path.dirname(job["run_dir"].rstrip("/")))
         join_worker_cgroup(run_id, job.get("slot", 0),
