@@ -384,6 +384,54 @@ def test_async_error_handling_levels_are_what_the_installed_torch_defines():
         gpu.error_handling(4)
 
 
+def _chapter_text(markdown_only=True) -> str:
+    import json
+    notebook = json.loads((ROOT / "course" / "09_failures_at_scale.ipynb").read_text())
+    return " ".join("".join(c["source"]) for c in notebook["cells"]
+                    if c["cell_type"] == "markdown" or not markdown_only)
+
+
+def test_every_nccl_variable_the_chapter_names_is_one_the_installed_torch_reads():
+    """Each TORCH_NCCL_* name in chapter 9's prose is declared in the installed c10d headers
+    (ProcessGroupNCCL.hpp, FlightRecorder.hpp) or, for the older spellings the headers no longer
+    list, present in libtorch; the timeouts the chapter quotes are the headers' constants."""
+    import re
+    from datetime import timedelta
+    from torch.distributed import constants
+    text = re.sub(r"_\s*\n\s*", "_", _chapter_text())
+    names = set(re.findall(r"TORCH_NCCL_[A-Z_]*[A-Z]", text))
+    assert {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_ENABLE_MONITORING",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_PROPAGATE_ERROR"} <= names
+    headers = _torch_file("include", "torch", "csrc", "distributed", "c10d", "ProcessGroupNCCL.hpp") \
+        + _torch_file("include", "torch", "csrc", "distributed", "c10d", "FlightRecorder.hpp")
+    missing = sorted(n for n in names if f'"{n}"' not in headers)
+    if missing:
+        library = Path(torch.__file__).parent.joinpath("lib", "libtorch_cpu.so").read_bytes()
+        missing = [n for n in missing if n.encode() not in library]
+    assert not missing, f"chapter 9 names variables torch 2.13 does not read: {missing}"
+    process_group = _torch_file("include", "torch", "csrc", "distributed", "c10d", "ProcessGroup.hpp")
+    nccl_ms = re.search(r"kProcessGroupNCCLDefaultTimeout =\s*std::chrono::milliseconds\(([\d *]+)\)",
+                        headers).group(1)
+    gloo_ms = re.search(r"kProcessGroupDefaultTimeout =\s*std::chrono::milliseconds\(([\d *]+)\)",
+                        process_group).group(1)
+    assert eval(nccl_ms) == 10 * 60 * 1000 and eval(gloo_ms) == 30 * 60 * 1000
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    flat = re.sub(r"\s+", " ", text)
+    assert "NCCL: 10 min (`kProcessGroupNCCLDefaultTimeout`" in flat
+    assert "30 min (`kProcessGroupDefaultTimeout`" in flat
+
+
+def test_a_locally_synchronised_group_is_named_by_its_ranks_and_the_groups_a_process_has():
+    """Chapter 9's reason why the rejoin group cannot use use_local_synchronization=True: torch
+    hashes the ranks with len(_world.pg_names), so processes that built different numbers of
+    groups compute different names for the same ranks."""
+    import inspect
+    from torch.distributed import distributed_c10d as c10d
+    source = inspect.getsource(c10d._hash_ranks_to_str)
+    assert "len(_world.pg_names)" in source
+    assert "use_hashed_name=use_local_synchronization" in inspect.getsource(c10d._new_group_with_tag)
+    assert "`_hash_ranks_to_str`" in _chapter_text() and "len(_world.pg_names)" in _chapter_text()
+
 def test_the_torchrun_command_restarts_and_isolates_the_store():
     command = elastic.command(2, "/tmp/x", 10, 4, 7)
     assert "--max-restarts=1" in command and "labkit.faults.elastic:train" in command
