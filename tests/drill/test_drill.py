@@ -504,6 +504,33 @@ def test_the_drills_own_slips_are_named_before_the_generic_ones():
     assert "had not completed" in said("steps-lost", {"tau": 8, "ask": "one", "kill_at": 20}, 4 / 3)
 
 
+def test_slips_of_the_memory_pipeline_moe_and_interval_drills():
+    """Each drill's own slips, at a ratio a hand calculation gives: a ZeRO stage off by one, ZeRO-3
+    gathered for forward only, a mode of Korthikanti's table next to the asked one, the bubble
+    over the ideal time, capacity without K, Young's missing 2, Daly without - C."""
+    def said(drill_id, params, typed):
+        problem = numeric.DRILLS[drill_id].problem(params=params)
+        value = typed(problem.answer) if callable(typed) else typed
+        return drill.check(problem, f"{value!r} {problem.unit}".strip()).message
+    zero = {"psi": 7.5e9, "dp": 64, "stage": 2}
+    assert "stage 1's figure" in said("zero-states", zero, (2 + 2 + 12 / 64) * 7.5)
+    assert "forward only" in said("zero3-pipeline", {"m": 8, "dp": 4, "reshard": "microbatch"}, 8)
+    assert "resharding every" in said("zero3-pipeline", {"m": 8, "dp": 4, "reshard": "step"}, 12)
+    act = {"s": 2048, "b": 1, "h": 4096, "t": 4, "mode": "tp"}
+    sbh = 2048 * 4096
+    assert "sequence parallelism's 34/t" in said("activations", act,
+                                                 sbh * (34 / 4 + 5 * 32 * 2048 / (4096 * 4)) / 1e6)
+    assert "over the ideal time" in said("bubble", {"p": 4, "m": 8, "v": 1}, 100 * 3 / 8)
+    cap = {"N": 4096, "K": 2, "E": 64, "factor": 1.25}
+    assert "routes each token to K" in said("capacity", cap, math.ceil(4096 / 64 * 1.25))
+    assert "the 2 of sqrt(2 C M)" in said("young-interval", {"C_s": 60, "M_h": 6},
+                                          math.sqrt(60 * 6 * 3600) / 60)
+    daly = {"C_min": 10, "M_h": 3}
+    assert "Young's" in said("daly-interval", daly, math.sqrt(2 * 600 * 3 * 3600) / 60)
+    assert "917.5 KB" in said("moe-bytes", {"N": 4096, "P": 8, "scope": "per token"},
+                              16 * 8 * 7168 / 1e3)
+
+
 def test_chapter_6_decisions_every_scene_and_their_slips():
     """mesh-memory at both asks, mesh-links with G = 4 and 8, and mesh-choose in every scene
     against their second derivations; the slips a hand calculation makes are named."""

@@ -130,6 +130,10 @@ def _crossover(p, formula):
 
 # ---- chapter 3: memory and ZeRO ----------------------------------------------------------------
 
+_SPLIT_ONLY = {0: "nothing", 1: "only the optimizer states", 2: "the optimizer states and the "
+               "gradients", 3: "the weights, gradients and optimizer states"}
+
+
 @register("zero-states", "memory", "Model states per GPU under a ZeRO stage", 3,
           "sections 1 and 3", ["labkit.memory.model_states"])
 @draws(lambda rng: {"psi": rng.choice([1.3e9, 7.5e9, 13e9, 30e9, 70e9, 175e9]),
@@ -150,7 +154,11 @@ def _zero_states(p, formula):
                          f"Stage {stage}: {split} over the {dp} ranks.",
                          f"parameters {bytes_text(states['parameters'])} + gradients "
                          f"{bytes_text(states['gradients'])} + optimizer states "
-                         f"{bytes_text(states['optimizer_states'])} = {bytes_text(total)}."]}
+                         f"{bytes_text(states['optimizer_states'])} = {bytes_text(total)}."],
+            "slips": tuple((sum(formula("labkit.memory.model_states")(psi, dp, other).values())
+                            / total, f"That is stage {other}'s figure: stage {stage} splits "
+                            f"{_SPLIT_ONLY[stage]} over dp.")
+                           for other in (0, 1, 2, 3) if other != stage)}
 
 
 @register("zero3-pipeline", "memory", "ZeRO-3 inside a pipeline: the bytes it multiplies", 3,
@@ -179,7 +187,12 @@ def _zero3_pipeline(p, formula):
                              "reduce-scatter after the last backward: 2 Psi too.",
                              f"Ratio 1 (here {sig(ratio)}). The price is memory, not bytes: the "
                              "whole gathered weights and gradients are held during the step, "
-                             "ZeRO-1's peak."]}
+                             "ZeRO-1's peak."],
+                "slips": ((3 * m / 2, f"That is 3m/2 = {sig(3 * m / 2)}: resharding every "
+                                      "microbatch; this stage keeps the weights gathered until "
+                                      "the last one."),
+                          (3 / 2, "That is 3/2: a second all-gather for backward; kept "
+                                  "gathered, the weights are gathered once per step."))}
     wire = formula("labkit.memory.wire_bytes_per_rank")
     ratio = wire(1.0, dp, 3, microbatches=m) / wire(1.0, dp, 1, microbatches=m)
     return {"question": f"A pipeline stage pushes m = {m} microbatches through each step; its "
@@ -198,7 +211,14 @@ def _zero3_pipeline(p, formula):
                          "It buys memory: the rank holds 1/dp of its weights. Production stacks "
                          "often choose the other side of the trade: keep the weights gathered "
                          "for the step (torch's pipelining, torchtitan), ZeRO-1's bytes at "
-                         "ZeRO-1's peak."]}
+                         "ZeRO-1's peak."],
+            "slips": ((2 / 3, f"That is 2m/2 = m = {m}: the weights gathered for forward only; "
+                              "resharded after forward, backward gathers them again."),
+                      (1 / m, "That is 3/2: one microbatch's bytes; stage 3 pays them at every "
+                              f"one of the m = {m}."),
+                      (2 / (3 * m), "That is 1: ZeRO-1's bytes, what the stage sends when it "
+                                    "keeps the weights gathered for the whole step, not when "
+                                    "it reshards every microbatch."))}
 
 
 _MODES = {"none": ("no parallelism, no recomputation", "s b h (34 + 5 a s / h)"),
@@ -231,7 +251,29 @@ def _activations(p, formula):
                          f"s b h = {s * b * h:,}"
                          + (f"; 5 a s / h = {sig(5 * a * s / h)}." if mode in ("none", "tp",
                                                                             "tp+sp") else "."),
-                         f"= {bytes_text(total)} per layer, per microbatch in flight."]}
+                         f"= {bytes_text(total)} per layer, per microbatch in flight."],
+            "slips": _activation_slips(formula, s, b, h, a, t, mode, total)}
+
+
+def _activation_slips(formula, s, b, h, a, t, mode, total):
+    """The neighbouring modes' figures, each with what tells it from this one."""
+    per_layer = formula("labkit.memory.activation_bytes_per_layer")
+    figure = lambda tt, sp, rc: per_layer(s, b, h, a, tt, sequence_parallel=sp, recompute=rc)
+    near = {"tp": ((figure(t, True, "none"), "sequence parallelism's 34/t: without it the "
+                    "LayerNorm and dropout inputs (10 s b h) are not split over t."),
+                   (figure(1, False, "none"), "the layer without tensor parallelism: t splits "
+                    "24 s b h and the attention core.")),
+            "tp+sp": ((figure(t, False, "none"), "tensor parallelism without sequence "
+                       "parallelism: with it the 10 s b h of LayerNorm and dropout inputs are "
+                       "split over t too."),),
+            "selective": ((figure(t, True, "none"), "the attention core 5as/(ht) kept: "
+                           "selective recomputation drops it and recomputes it in backward."),),
+            "none": ((figure(1, False, "selective"), "the attention core 5 a s / h left out: "
+                      "nothing is recomputed here."),),
+            "full": ((figure(1, False, "none"), "the whole layer's activations: full "
+                      "recomputation keeps only its input, 2 s b h."),)}[mode]
+    return tuple((other / total, f"That is {why}") for other, why in near
+                 if abs(other / total - 1) > 0.02)
 
 
 # ---- chapter 4: tensor parallelism ------------------------------------------------------------
@@ -282,7 +324,12 @@ def _bubble(p, formula):
                          f"= {stages - 1} / ({v * m} + {stages - 1}) = {bubble} "
                          f"= {100 * float(bubble):.1f}%.",
                          "More microbatches shrink it; so does interleaving, at v times the "
-                         "messages."]}
+                         "messages."],
+            "slips": (((stages - 1) / (v * m) / float(bubble), "That is (p - 1)/(v m): the bubble "
+                       "over the ideal time, not the fraction of the step it takes (divide by "
+                       "v m + p - 1)."),) + ((((stages - 1) / (m + stages - 1)) / float(bubble),
+                      "That is the bubble without interleaving: v chunks cut it v times."),)
+            * (v > 1)}
 
 
 @register("bubble-microbatches", "pipeline", "Microbatches for a bubble budget", 5, "section 4",

@@ -3,6 +3,8 @@ failures. Each answer comes from the chapter's own function (named in `uses`, im
 when a problem is posed: see `numeric.formula`)."""
 from __future__ import annotations
 
+import math
+
 from labkit.drill.base import bytes_text, factor, sig
 from labkit.drill.numeric import draws, register
 
@@ -124,7 +126,14 @@ def _moe_bytes(p, formula):
             "solution": common + backward + [
                 f"Per token: {bytes_text(both)} / {N} = {bytes_text(both / N)} "
                 "(8 K H (P - 1)/P bytes; 8 K H with (P - 1)/P rounded to 1).",
-                "The source material's 917.5 KB counts BF16's 2 bytes twice.", _NOT_FLAT]}
+                "The source material's 917.5 KB counts BF16's 2 bytes twice.", _NOT_FLAT],
+            "slips": ((2 * P / (P - 1), "That is 16 K H bytes: BF16's 2 bytes counted twice, "
+                                        "as the source material's 917.5 KB does (and (P - 1)/P "
+                                        "rounded to 1)."),
+                      (2, "That is BF16's 2 bytes counted twice, as the source material's "
+                          "917.5 KB does."),
+                      (1 / K, f"That is one copy per token: top-{K} sends each token to K "
+                              "experts, K rows."))}
 
 
 @register("moe-fp8", "moe", "FP8 dispatch, BF16 combine: bytes on the wire", 7, "section 7",
@@ -207,7 +216,15 @@ def _capacity(p, formula):
                          "plus headroom.",
                          f"{N} x {K} / {E} x {f} = {sig(N * K / E * f)}; round up: C = {c}.",
                          "Assignments beyond C are dropped (the token skips that expert and keeps "
-                         "its residual)."]}
+                         "its residual)."],
+            "slips": tuple((other / c, why) for other, why in (
+                (math.ceil(N / E * f),
+                 f"That is ceil(N/E x factor): top-{K} routes each token to K experts, so the "
+                 "even share is N K / E."),
+                (math.ceil(N * K / E), "That leaves out the capacity factor, the headroom over "
+                 "the even share."),
+                (N * K / E * f, "That is N K / E x factor before rounding up: capacity is a "
+                 "whole number of slots.")) if other != c)}
 
 
 def _draw_imbalance(rng):
@@ -276,7 +293,14 @@ def _young(p, formula):
                                  f"tau* = sqrt(2 x {C} s x {sig(M_h * 3600)} s) = {sig(tau)} s = "
                                  f"{sig(tau / 60)} min.",
                                  "The waste at tau* is about sqrt(2C/M): cutting C (async "
-                                 "checkpoints) pays as its square root."]}
+                                 "checkpoints) pays as its square root."],
+            "slips": ((2 ** -0.5, "That is sqrt(C M): the 2 of sqrt(2 C M) is missing (the "
+                                  "lost work averages tau/2, so waste = C/tau + tau/(2M))."),
+                      (60 ** -0.5, "That is the interval with M in minutes and C in seconds: "
+                                   "put both in the same unit."),
+                      (3600 ** -0.5, "That is the interval with M in hours and C in seconds: "
+                                     "put both in the same unit."),
+                      (60, "That is the answer in seconds, not minutes."))}
 
 
 @register("daly-interval", "checkpoint", "How often to checkpoint (Daly)", 8, "section 7",
@@ -293,7 +317,11 @@ def _daly(p, formula):
             "solution": ["tau* = sqrt(2CM) [1 + (1/3) sqrt(C/2M) + (1/9)(C/2M)] - C, for C < 2M.",
                          f"sqrt(2CM) = {sig(young / 60)} min; C/2M = {sig(x)}.",
                          f"tau* = {sig(young / 60)} x {sig(1 + x ** 0.5 / 3 + x / 9)} - "
-                         f"{p['C_min']} = {sig(tau / 60)} min (Young alone: {sig(young / 60)})."]}
+                         f"{p['C_min']} = {sig(tau / 60)} min (Young alone: {sig(young / 60)})."],
+            "slips": ((young / tau, "That is Young's sqrt(2CM): Daly adds the higher-order terms "
+                                    "and subtracts C."),
+                      ((young * (1 + x ** 0.5 / 3 + x / 9)) / tau,
+                       "That is Daly's bracket without the final - C."))}
 
 
 # ---- chapter 9: failures -----------------------------------------------------------------------
