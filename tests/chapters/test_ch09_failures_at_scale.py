@@ -419,6 +419,10 @@ def test_every_nccl_variable_the_chapter_names_is_one_the_installed_torch_reads(
     flat = re.sub(r"\s+", " ", text)
     assert "NCCL: 10 min (`kProcessGroupNCCLDefaultTimeout`" in flat
     assert "30 min (`kProcessGroupDefaultTimeout`" in flat
+    recorder = _torch_file("include", "torch", "csrc", "distributed", "c10d", "FlightRecorder.hpp")
+    entries = re.search(r'\{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"\}, (\d+)\)',
+                        recorder).group(1)
+    assert f"the last {int(entries):,} entries unless `TORCH_FR_BUFFER_SIZE`" in flat
 
 
 def test_a_locally_synchronised_group_is_named_by_its_ranks_and_the_groups_a_process_has():
