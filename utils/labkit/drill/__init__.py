@@ -11,7 +11,7 @@ questions as cards, with spaced repetition (`course/drill.ipynb`; `labkit drill`
 | module | what |
 |---|---|
 | `base` | a Problem and its answer, parsing what people type (units, fractions, lists), verdicts, chapter links |
-| `numeric`, `numeric_comm`, `numeric_scale` | the numeric drills, each drawing its parameters from a seed and computing its answer with the chapter's own function (chapters 1, 3-9) |
+| `numeric`, `numeric_comm`, `numeric_scale`, `numeric_mesh`, `numeric_recovery`, `numeric_context` | the numeric drills, each drawing its parameters from a seed and computing its answer with the chapter's own function (chapters 1, 3-10; `numeric_mesh`: chapter 6's decisions, memory per rank, axis and link, tp/pp/dp among four) |
 | `cards`, `cards_text` | seed 004's whiteboard, self-check and open questions with model answers; figures computed from the chapters |
 | `boxes` | the Leitner boxes in a JSON file (default `~/.labkit/drill.json`, or `$LABKIT_DRILL_FILE`) |
 | `session` | the order of questions, answers and commands, the record, the summary with the weakest topics |
