@@ -61,7 +61,9 @@ def _mesh_memory(p, formula):
                  (tp * pp, f"That is tp pp = {tp * pp} times the answer: Psi not divided over "
                   "the tp x pp ranks that share the model."),
                  (tp, f"That is tp = {tp} times the answer: tensor parallelism splits the "
-                  "weights, gradients and optimizer states too (Psi / (tp pp))."),
+                  "weights, gradients and optimizer states too (Psi / (tp pp))"
+                  + (f"; or pp = {pp}: each stage holds only its L/pp layers." if tp == pp
+                     else ".")),
                  (pp, f"That is pp = {pp} times the answer: each stage holds only its L/pp "
                   "layers."))
         return {"question": f"{setting} How many GB of model states (weights, gradients, "
