@@ -668,6 +668,12 @@ def test_bytes_by_relation_sums_each_pair_by_the_group_it_shares():
     assert [wire.relation(0, b, dims) for b in (1, 2, 4, 3, 7)] == ["tp", "pp", "dp", "none", "none"]
     with pytest.raises(ValueError, match="8 ranks"):
         wire.bytes_by_relation([[0] * 4 for _ in range(4)], dims)
+    from types import SimpleNamespace
+    counted = SimpleNamespace(marks={"a": {"matrix": [[0, 5], [1, 0]]}, "b": {"matrix": [[0, 9], [4, 0]]}})
+    assert wire.between(counted, "a", "b") == [[0, 4], [3, 0]]
+    assert wire.per_rank(wire.between(counted, "a", "b")) == 3.5
+    with pytest.raises(KeyError, match="no mark"):
+        wire.between(counted, "a", "c")
 
 
 def test_pictures_colour_one_group_per_colour_and_draw_the_step():

@@ -5,7 +5,8 @@
     with world.traffic() as traffic:
         world.run(program, dims, ...)
     wire.bytes_by_relation(traffic, dims)               # {"tp": B, "pp": B, "dp": B, "none": B}
-    wire.bytes_by_relation(traffic.marks["label"]["matrix"], dims)   # at a mark
+    wire.bytes_by_relation(wire.between(traffic, "begin", "end"), dims)   # between two marks
+    wire.per_rank(wire.between(traffic, "begin", "end"))                 # all of it, per rank
 
 Two ranks of a dp x pp x tp mesh (the course's order, `layout.coordinates`) are related along an
 axis when they differ in that coordinate only (they share that axis's group); any other pair is
@@ -50,3 +51,18 @@ def make_mesh(dims):
     measured call that follows opens no connection and creates no group."""
     from labkit.mesh.model import device_mesh
     device_mesh(dims)
+
+
+def between(traffic, start: str, end: str) -> list:
+    """The W x W matrix of bytes sent between two marks of one call (`labkit.mark(start)` ..
+    `labkit.mark(end)` on the ranks): traffic.marks[end] - traffic.marks[start], pair by pair."""
+    missing = [label for label in (start, end) if label not in traffic.marks]
+    if missing:
+        raise KeyError(f"no mark {missing} in this count; the marks are {sorted(traffic.marks)}")
+    first, last = traffic.marks[start]["matrix"], traffic.marks[end]["matrix"]
+    return [[b - a for a, b in zip(row_a, row_b)] for row_a, row_b in zip(first, last)]
+
+
+def per_rank(matrix) -> float:
+    """Bytes per rank (the mean over the ranks) that a W x W matrix holds."""
+    return sum(map(sum, matrix)) / len(matrix)
