@@ -757,3 +757,23 @@ def test_task4_a_failure_in_a_copy_is_drawn_on_purpose(ref):
             checks_async.check_simulate_async(world, ns["simulate_async"], cases=3,
                                               case=base_checks.Case("lab 8, task 4", seed=seed))
     checks_async.check_async_interval(ns["async_interval"])
+
+
+# ---- the chapter's self-checks (labkit.checkpoint.selfcheck) --------------------------------------
+
+def test_selfcheck_naive_torn_judges_the_answer_and_guards_the_measurement(capsys):
+    from labkit.checkpoint import selfcheck
+    assert selfcheck.naive_torn("ba", "ab") and not selfcheck.naive_torn("abc", "ab")
+    assert not selfcheck.naive_torn("", "ab")
+    assert "put your letters" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="expects 'ab'"):
+        selfcheck.naive_torn("a", "a")
+
+
+def test_selfcheck_young_4096_is_sqrt_2CM_at_four_times_llamas_M():
+    from labkit.checkpoint import selfcheck
+    M = interval.llama3_mtbf_hours() * 3600 * 4
+    truth = math.sqrt(2 * 30 * M) / 60
+    assert selfcheck.young_4096(truth * 1.04) and not selfcheck.young_4096(truth * 1.1)
+    assert not selfcheck.young_4096(math.sqrt(2 * 30 * M / 4) / 60)      # M of the 16k job
+    assert not selfcheck.young_4096(None)
