@@ -630,8 +630,9 @@ def check_pipeline_peaks(world, predict, configs, timeout=90):
     most one rank of each pipeline stage holds during a training step after the first (read after
     each forward and each backward; see `pipeline_memory_program`). Then run two steps on the
     world's ranks and compare with every rank's largest reading, exactly (whole tensors). Hidden
-    configs cover both schedules, both stage-3 policies, stages 1-3, pp = 2 and 3 (a world of its
-    own size), and shapes where the peak is at a forward and where it is after a backward."""
+    configs cover both schedules, both stage-3 policies, ZeRO stages 0-3, pp = 2 and 3 and dp = 1,
+    2 and 3 (worlds of 3, 4 and 6; at dp = 3 the blocks are padded), and shapes where the peak is
+    at a forward and where it is after a backward."""
     pp, dp = pipeline_shape(world.size)
     rows = []
     for config in configs:
