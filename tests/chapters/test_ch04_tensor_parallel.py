@@ -410,16 +410,31 @@ def test_the_chapters_reduce_scatter_sends_a_ring_share_and_gloos_sends_an_all_r
         assert math.isclose(sent["gloo"][r], tpk.all_reduce_bytes(n, 3), rel_tol=0.02), sent
 
 
-def test_gqa_layout_splits_replicates_or_refuses_like_megatron_and_vllm():
+def test_gqa_layout_splits_shares_or_refuses_like_megatron_core_and_vllm():
     from labkit.tensor_parallel import scaling
     assert scaling.gqa_layout(32, 8, 4) == {"q_heads": 8, "kv_heads": 2, "kv_replicas": 1}
+    # kv heads divide t: Megatron-Core (all-gathered q/k/v) and vLLM (replicated weights) accept it
     assert scaling.gqa_layout(32, 8, 16) == {"q_heads": 2, "kv_heads": 1, "kv_replicas": 2}
-    with pytest.raises(ValueError, match=r"Megatron-LM needs tp \| kv_heads"):
+    with pytest.raises(ValueError, match=r"plain head split needs tp \| kv_heads"):
         scaling.gqa_layout(32, 8, 16, replicate=False)
     with pytest.raises(ValueError, match="neither divides the other"):
         scaling.gqa_layout(12, 2, 3)
     with pytest.raises(ValueError, match=r"heads \(12\) is not divisible by tp \(8\)"):
         scaling.gqa_layout(12, 4, 8)
+
+
+def test_chapter_states_megatron_cores_gqa_rule_of_today():
+    """Megatron-Core accepts kv heads that divide t (PR #2565: q/k/v all-gathered) and refuses only
+    a t that neither divides nor is divided by them; the chapter must not say it refuses more, and
+    must not print lab 4 task 2's placement."""
+    import nbformat
+    cells = nbformat.read(str(ROOT / "course" / "04_tensor_parallel.ipynb"), as_version=4).cells
+    prose = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    assert "must be a multiple or divisor" in prose and "PR #2565" in prose
+    assert "get_query_key_value_tensors" in prose
+    assert "Megatron refuses" not in prose and "no (refused)" not in code
+    assert "gqa_placement" not in code and "tp_gqa_attention" not in code
 
 
 def test_block_flops_is_what_torchs_flop_counter_counts():

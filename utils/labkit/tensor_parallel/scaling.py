@@ -11,15 +11,26 @@ from __future__ import annotations
 
 
 def gqa_layout(heads: int, kv_heads: int, tp: int, replicate: bool = True) -> dict:
-    """Grouped-query attention split by heads over tp ranks: each rank keeps heads/tp query heads
-    and the key/value heads its query heads read.
+    """Grouped-query attention split by heads over tp ranks: each rank's attention reads heads/tp
+    query heads and the key/value heads those query heads read.
 
     kv_heads >= tp: the kv heads are split too, kv_heads/tp per rank (needs tp | kv_heads).
-    kv_heads < tp: one kv head per rank, each held by tp/kv_heads ranks (needs kv_heads | tp):
-    what vLLM's QKVParallelLinear does (`num_kv_head_replicas`). Megatron-LM refuses it
-    (`num_query_groups_per_partition = divide(num_query_groups, world_size)` in
-    megatron/core/transformer/attention.py): pass replicate=False for Megatron's rule.
-    Returns {"q_heads": per rank, "kv_heads": per rank, "kv_replicas": ranks per kv head}."""
+    kv_heads < tp: one kv head per rank, each read by tp/kv_heads ranks (needs kv_heads | tp).
+    Two stacks get it there differently; the layout of the attention is the same:
+    vLLM's QKVParallelLinear replicates the kv head's weights on those ranks
+    (`num_kv_head_replicas = divide(tp_size, total_num_kv_heads)`); Megatron-Core (since PR
+    #2565, December 2025) keeps the fused q/k/v weight split evenly and all-gathers its output
+    (`Attention.__init__` sets num_query_groups_per_partition = 1, and
+    `SelfAttention.get_query_key_value_tensors` gathers along the last dim and slices out group
+    rank // (tp / kv_heads), then query heads rank % (tp / kv_heads);
+    megatron/core/transformer/attention.py).
+    Neither divides the other: refused, as Megatron-Core's `TransformerConfig.__post_init__` does
+    ("num_query_groups must be a multiple or divisor of tensor_model_parallel_size",
+    megatron/core/transformer/transformer_config.py); lab 4, task 2 places that case.
+    replicate=False: a plain head split that never lets two ranks read one kv head (Megatron-LM's
+    rule before PR #2565: `divide(num_query_groups, world_size)`), refusing kv_heads < tp.
+    Chapter 4, section 3. Returns {"q_heads": per rank, "kv_heads": per rank, "kv_replicas":
+    ranks that read each kv head}."""
     for name, value in (("heads", heads), ("kv_heads", kv_heads), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -31,9 +42,9 @@ def gqa_layout(heads: int, kv_heads: int, tp: int, replicate: bool = True) -> di
     if kv_heads % tp == 0:
         return {"q_heads": heads // tp, "kv_heads": kv_heads // tp, "kv_replicas": 1}
     if not replicate:
-        raise ValueError(f"kv_heads ({kv_heads}) is not divisible by tp ({tp}): Megatron-LM needs "
-                         f"tp | kv_heads (num_query_groups); use tp <= {kv_heads} that divides it, "
-                         f"or replicate the kv heads (replicate=True)")
+        raise ValueError(f"kv_heads ({kv_heads}) is not divisible by tp ({tp}): a plain head split "
+                         f"needs tp | kv_heads (Megatron-LM before PR #2565); use tp <= {kv_heads} "
+                         f"that divides it, or let ranks share kv heads (replicate=True)")
     if tp % kv_heads:
         raise ValueError(f"kv_heads ({kv_heads}) and tp ({tp}): neither divides the other, so the "
                          f"kv heads can be neither split nor replicated evenly")
