@@ -23,10 +23,17 @@ REF = answer_cells(LAB, torch=torch, dist=dist, labkit=labkit, math=math, checks
 WRONG = lab_notebooks.wrong_answers(LAB)
 
 
-@pytest.fixture(scope="module")
-def world():
-    yield labkit.world(4, timeout=60, teaching=False)
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown():
+    yield
     labkit.shutdown_all()
+
+
+@pytest.fixture
+def world():
+    """A world of 4 (the same one while it is open: the lab's own cells, run by the wrong-answer
+    tests, replace it with worlds of their own)."""
+    return labkit.world(4, timeout=60, teaching=False)
 
 
 # ---- the measurements ----------------------------------------------------------------------------
