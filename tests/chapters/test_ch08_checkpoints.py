@@ -777,3 +777,36 @@ def test_selfcheck_young_4096_is_sqrt_2CM_at_four_times_llamas_M():
     assert selfcheck.young_4096(truth * 1.04) and not selfcheck.young_4096(truth * 1.1)
     assert not selfcheck.young_4096(math.sqrt(2 * 30 * M / 4) / 60)      # M of the 16k job
     assert not selfcheck.young_4096(None)
+
+
+# ---- DCP under the crash harness (labkit.checkpoint.dcp_trials) ------------------------------------
+
+def _dcp_round(stores, base):
+    """A clean DCP save of step 1 published by the commit on top, then step 2 with rank 1 killed
+    after its write: the plain folder is refused, the committed root still loads step 1."""
+    import torch.distributed as dist
+    from labkit.checkpoint import dcp_trials, snapshot_id
+    dcp_trials.start_victims()
+    root = os.path.join(base, "committed")
+    first = dcp_trials.trial(stores, os.path.join(root, snapshot_id(1)), 1, -1, None, 1,
+                             commit_root=root)
+    killed = dcp_trials.trial(stores, os.path.join(root, snapshot_id(2)), 2, 1,
+                              "after its write", 2, commit_root=root)
+    plain = dcp_trials.trial(stores, os.path.join(base, "plain"), 3, 1, "after its write", 3)
+    return {"status": (first, killed, plain), "committed": dcp_trials.load_latest(root),
+            "plain": dcp_trials.load(os.path.join(base, "plain")), "rank": dist.get_rank()}
+
+
+def test_dcp_trials_kill_a_rank_of_dcp_save_and_the_commit_keeps_the_last_save(tmp_path):
+    from labkit.checkpoint import dcp_trials
+    world = labkit.world(2, teaching=False)
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    out = world.call(_dcp_round, (str(stores), str(tmp_path)), timeout=300)
+    assert [o["status"][0] for o in out] == ["ok", "ok"]
+    assert out[1]["status"][1] == "killed" and out[1]["status"][2] == "killed"
+    assert dcp_trials.loaded([o["committed"] for o in out]) == [1.0]
+    refused = dcp_trials.loaded([o["plain"] for o in out])
+    assert isinstance(refused, str) and "Exception" in refused, refused
+    with pytest.raises(ValueError, match="point must be one of"):
+        dcp_trials.victim("x", 1, 0, 1, "y", 0, "while writing")
