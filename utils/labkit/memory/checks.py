@@ -549,26 +549,9 @@ def pipeline_memory_program(case):
     import torch.distributed as dist
 
     import labkit
-    rank, world_size, pp = dist.get_rank(), dist.get_world_size(), case["pp"]
-    if world_size % pp:
-        raise ValueError(f"world size ({world_size}) is not a multiple of pp ({pp})")
-    dp = world_size // pp
-    stage, dp_rank = divmod(rank, dp)
-    group = zero_pipeline._dp_group(dp)
-    device = labkit.device()
-    H, L, m = case["hidden"], case["layers"], case["microbatches"]
-    blocks = zero.make_blocks(L, H, case["seed"], dp, dp_rank, case["zero_stage"],
-                              dtype=torch.float32, device=device, group=group, first_layer=stage * L)
+    rank, dp, stage, dp_rank, device, blocks, trainer = zero_pipeline.stage_trainer(case)
+    pp, H, L, m = case["pp"], case["hidden"], case["layers"], case["microbatches"]
     step_policy = case["reshard"] == "step"
-    for block in blocks:
-        if step_policy:
-            block.keep_for_step()
-        elif not case["reshard_after_forward"]:
-            block.keep_after_forward()
-    trainer = zero.ZeroTrainer(blocks, case["zero_stage"], group=group, lr=1e-3)
-    if step_policy:                                  # each block has its own full copies instead
-        trainer.buffers.gathered = trainer.buffers.gathered.new_zeros(0)
-        trainer.buffers.gradient = trainer.buffers.gradient.new_zeros(0)
     order = zero_pipeline.schedule(case["schedule"], pp, stage, m)
     last = max(j for j, (kind, _) in enumerate(order) if kind == "B")
     shape = (case["micro_batch"], case["seq"], H)                       # [b, T, H]

@@ -93,19 +93,20 @@ def _dp_group(dp):
     return _GROUPS[key]
 
 
-def train_step(case: dict) -> dict:
-    """On every rank: one pipeline step (see the module docstring). Returns what this rank did:
-    its stage, its dp rank, the order of its work, and the bytes it held (`held_bytes`) during
-    the step (the most, read after each forward and backward) and after it."""
+def stage_trainer(case: dict):
+    """On every rank: this rank's place (rank r is stage r // dp, dp rank r % dp) and its ZeRO
+    blocks and trainer for `case`, the stage-3 policy applied (resharding every microbatch, after
+    forward or not, or once per step). Returns (rank, dp, stage, dp_rank, device, blocks,
+    trainer); train_step and the lab's memory checker both start here."""
+    import labkit
     rank, world_size, pp = dist.get_rank(), dist.get_world_size(), case["pp"]
     if world_size % pp:
         raise ValueError(f"world size ({world_size}) is not a multiple of pp ({pp})")
     dp = world_size // pp
     stage, dp_rank = divmod(rank, dp)
     group = _dp_group(dp)
-    import labkit
     device = labkit.device()
-    H, L, m = case["hidden"], case["layers"], case["microbatches"]
+    H, L = case["hidden"], case["layers"]
     blocks = zero.make_blocks(L, H, case["seed"], dp, dp_rank, case["zero_stage"],
                               dtype=torch.float32, device=device, group=group, first_layer=stage * L)
     step_policy = case.get("reshard", "microbatch") == "step"
@@ -118,8 +119,16 @@ def train_step(case: dict) -> dict:
     if step_policy:                                  # each block has its own full copies instead
         trainer.buffers.gathered = trainer.buffers.gathered.new_zeros(0)
         trainer.buffers.gradient = trainer.buffers.gradient.new_zeros(0)
+    return rank, dp, stage, dp_rank, device, blocks, trainer
+
+
+def train_step(case: dict) -> dict:
+    """On every rank: one pipeline step (see the module docstring). Returns what this rank did:
+    its stage, its dp rank, the order of its work, and the bytes it held (`held_bytes`) during
+    the step (the most, read after each forward and backward) and after it."""
+    rank, dp, stage, dp_rank, device, blocks, trainer = stage_trainer(case)
     during = _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device)
-    order = schedule(case["schedule"], pp, stage, m)
+    order = schedule(case["schedule"], case["pp"], stage, case["microbatches"])
     return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order],
             "bytes_during": during, "bytes_between": held_bytes(trainer),
             "masters": [master.detach().double().clone() for master in trainer.masters]}

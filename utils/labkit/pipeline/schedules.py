@@ -316,11 +316,10 @@ def torch_schedule(name: str, p: int, m: int, v: int = 1) -> list:
     return schedule
 
 
-def torch_table_kinds(name: str, p: int, m: int) -> dict:
-    """How many actions of each kind torch's V-shaped tables ("ZBVZeroBubble", "DualPipeV": two
-    chunks per rank, rank r holding virtual stages r and 2p - 1 - r) list over all ranks, e.g.
-    {"F": 2pm, "I": ..., "W": ..., "OVERLAP_F_B": ...}. To score a table (bubble, deadlocks,
-    memory), read it with `torch_v_schedule` and check it with `check_schedule(..., layout="v")`."""
+def _torch_v_table(name: str, p: int, m: int) -> list:
+    """`pipeline_order` of torch's V-shaped schedule class `Schedule<name>` for p ranks and m
+    microbatches (per rank, a list of actions or None), built from stand-in stages: the table
+    needs only the stage counts and indices, not modules or a process group."""
     from types import SimpleNamespace
     import torch
     from torch.distributed import pipelining
@@ -329,7 +328,15 @@ def torch_table_kinds(name: str, p: int, m: int) -> dict:
         raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, got {name!r}")
     stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=0, stage_index=index,
                               submod=torch.nn.Identity()) for index in (0, 2 * p - 1)]
-    table = getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
+    return getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
+
+
+def torch_table_kinds(name: str, p: int, m: int) -> dict:
+    """How many actions of each kind torch's V-shaped tables ("ZBVZeroBubble", "DualPipeV": two
+    chunks per rank, rank r holding virtual stages r and 2p - 1 - r) list over all ranks, e.g.
+    {"F": 2pm, "I": ..., "W": ..., "OVERLAP_F_B": ...}. To score a table (bubble, deadlocks,
+    memory), read it with `torch_v_schedule` and check it with `check_schedule(..., layout="v")`."""
+    table = _torch_v_table(name, p, m)
     kinds = {}
     for rank in range(p):
         for a in table[rank]:
@@ -346,15 +353,7 @@ def torch_v_schedule(name: str, p: int, m: int) -> list:
     chunk's forward run together with another's full backward (so that on GPUs one's
     communication hides behind the other's compute), becomes its two sub-actions in torch's
     order, F then B: on the checker's unit clock they take the sum of their costs."""
-    from types import SimpleNamespace
-    import torch
-    from torch.distributed import pipelining
-    _check_sizes(p, m)
-    if name not in TORCH_V_SCHEDULES:
-        raise ValueError(f"name must be one of {TORCH_V_SCHEDULES}, got {name!r}")
-    stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=0, stage_index=index,
-                              submod=torch.nn.Identity()) for index in (0, 2 * p - 1)]
-    table = getattr(pipelining, f"Schedule{name}")(stages, m).pipeline_order
+    table = _torch_v_table(name, p, m)
     schedule = []
     for rank in range(p):
         actions = []
