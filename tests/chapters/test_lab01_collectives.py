@@ -186,3 +186,31 @@ def test_the_seconds_model_is_the_even_formula_on_an_even_table():
         even = [[1] * P for _ in range(P)]
         assert seconds(even, 4096, 1e-5, 1e-9) == pytest.approx(
             (P - 1) * (1e-5 + n / P * 1e-9), rel=1e-12)
+
+
+CHAPTER_7_HELPERS = {
+    "imported": '''
+from labkit.moe.ep import all_to_all, exchange_counts
+def all_to_all_rows(rows, dest):
+    order = torch.argsort(dest, stable=True)
+    send = torch.bincount(dest, minlength=dist.get_world_size()).tolist()
+    return all_to_all(rows[order], send, exchange_counts(send))
+''',
+    "by attribute": '''
+def all_to_all_rows(rows, dest):
+    from labkit.moe import ep
+    order = torch.argsort(dest, stable=True)
+    send = torch.bincount(dest, minlength=dist.get_world_size()).tolist()
+    return ep.all_to_all(rows[order], send, ep.exchange_counts(send))
+''',
+}
+
+
+@pytest.mark.parametrize("how", sorted(CHAPTER_7_HELPERS))
+def test_chapter_7s_dispatch_helpers_do_not_answer_task_3(how):
+    """labkit.moe.ep ships in the student copy (chapter 7 uses it): calling its exchange_counts
+    and all_to_all does task 3's work. The rows cell refuses it, whether imported by name or
+    reached as an attribute, and says why; the seconds cell is not touched."""
+    failed, outcome = _failed({"task3_all_to_all": _answer("task3_all_to_all") + CHAPTER_7_HELPERS[how]})
+    assert failed == {"test_task3_all_to_all_rows"}, outcome
+    assert "chapter 7's finished version" in str(outcome["test_task3_all_to_all_rows"])
