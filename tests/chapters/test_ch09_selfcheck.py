@@ -1,0 +1,40 @@
+"""Chapter 9's check-yourself questions keep their answers in labkit (issue 29): the visible cells
+ask, `labkit.faults.selfcheck` judges the answer against what the chapter measured."""
+import json
+from pathlib import Path
+
+from labkit.faults import selfcheck
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _code_cells():
+    book = json.loads((ROOT / "course" / "09_failures_at_scale.ipynb").read_text())
+    return ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+
+
+def test_the_chapter_asks_and_labkit_answers():
+    cells = _code_cells()
+    asking = [c for c in cells if "answer_wait = None" in c or "answer_resume, answer_redone" in c]
+    assert len(asking) == 2, "the two questions of sections 3 and 4"
+    assert "selfcheck.straggler_wait(" in asking[0] and "selfcheck.elastic_resume(" in asking[1]
+    for cell in asking:       # the reasoning is not in the cell below the question
+        assert "whatever its own work takes" not in cell and "newest" not in cell, cell
+
+
+def test_straggler_wait_judges_against_the_measurement(capsys):
+    assert selfcheck.straggler_wait(None, measured=0.1, delay=0.1) is False
+    assert "first" in capsys.readouterr().out
+    assert selfcheck.straggler_wait(0.11, measured=0.1, delay=0.1) is True
+    assert selfcheck.straggler_wait(0.005, measured=0.1, delay=0.1) is False
+    assert "last rank has entered" in capsys.readouterr().out
+
+
+def test_elastic_resume_needs_both_answers_right(capsys):
+    summary = {"resumed_from": 4, "redone": [5, 6]}
+    assert selfcheck.elastic_resume(None, None, summary) is False
+    assert selfcheck.elastic_resume(4, 2, summary) is True
+    assert selfcheck.elastic_resume(4, None, summary) is False
+    assert selfcheck.elastic_resume(6, 2, summary) is False
+    out = capsys.readouterr().out
+    assert "resume step: 4, you said 6" in out and "steps done twice: right" in out
