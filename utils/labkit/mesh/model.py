@@ -150,31 +150,73 @@ def device_mesh(dims):
     return _MESHES[key]
 
 
-def tp_plan() -> dict:
+def tp_plan(sequence_parallel: bool = False) -> dict:
     """torch's tensor-parallel plan for one `tensor_parallel.Block`, keyed by submodule (chapter
     4, section 6): q, k, v and fc1 split by output features (Shard(0): Megatron's column cut,
     f on the input), o and fc2 by input features (Shard(1): the row cut, g on the output). The
     attention and the MLP convert their input to a replicated DTensor once, so the three input
-    gradients of q, k, v are added before one all-reduce."""
-    from torch.distributed.tensor import Replicate
+    gradients of q, k, v are added before one all-reduce.
+
+    sequence_parallel=True (chapter 4, section 4; Korthikanti et al. 2022): the activations
+    between sub-blocks are [b, T/t, H], split along the sequence (dim 1). The LayerNorms run on
+    this rank's tokens (`SequenceParallel`: their weights become Replicate DTensors, their
+    gradients `Partial(sum)`: pending a sum over tp), the attention's and the MLP's input is
+    all-gathered (`PrepareModuleInput(input_layouts=Shard(1))`), and o and fc2 reduce-scatter
+    their output (`RowwiseParallel(output_layouts=Shard(1))`). torchtitan's Llama plan."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel)
+                                                   RowwiseParallel, SequenceParallel)
+    between = Shard(1) if sequence_parallel else Replicate()      # x: [b, T/t, H] or [b, T, H]
     plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+            "attn.o": RowwiseParallel(output_layouts=between),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=between)}
     for sub in ("attn", "mlp"):
-        plan[sub] = PrepareModuleInput(input_layouts=(Replicate(),),
+        plan[sub] = PrepareModuleInput(input_layouts=(between,),
                                        desired_input_layouts=(Replicate(),), use_local_output=False)
+    if sequence_parallel:
+        plan["ln1"], plan["ln2"] = SequenceParallel(), SequenceParallel()
     return plan
 
 
-def tensor_parallel(stage: Stage, tp_mesh) -> Stage:
+def stage_plan(stage: Stage) -> dict:
+    """The sequence-parallel plan of what a stage holds outside its blocks (torch's styles):
+    the embedding's output [b, T, H], the same on every tp rank, cut to this rank's [b, T/t, H]
+    (`PrepareModuleOutput`: Replicate -> Shard(1), no bytes forward; its backward all-gathers
+    the gradient, so the embedding's gradient is whole on every tp rank); the final LayerNorm on
+    this rank's tokens (`SequenceParallel`); the head's input all-gathered back to [b, T, H]
+    (`PrepareModuleInput`: Shard(1) -> Replicate), so that the head, the logits and the loss are
+    the same on every tp rank, as without sequence parallelism. Activations between stages are
+    [b, T/t, H]: each tp rank sends its own shard to the next stage."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput,
+                                                   SequenceParallel)
+    plan = {}
+    if stage.embed is not None:
+        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                            desired_output_layouts=Shard(1))
+    if stage.norm is not None:
+        plan["norm"] = SequenceParallel()
+        plan["head"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
+    return plan
+
+
+def tensor_parallel(stage: Stage, tp_mesh, sequence_parallel: bool = False) -> Stage:
     """Split every block of `stage` over the 1-D device mesh `tp_mesh` (rank side; a no-op when
-    the mesh has one rank). Embedding, LayerNorms and head stay whole: replicated."""
+    the mesh has one rank). Embedding, LayerNorms and head stay whole: replicated.
+
+    sequence_parallel=True: `tp_plan(sequence_parallel=True)` on the blocks and `stage_plan` on
+    the rest; the stage then takes and gives [b, T/t, H] between stages (T divisible by t), and
+    the LayerNorms' gradients are `Partial(sum)` DTensors: sum them over tp before reading
+    `to_local()` (chapter 6, section 3)."""
     if tp_mesh.size() == 1:
         return stage
     from torch.distributed.tensor.parallel import parallelize_module
     for block in stage.blocks:
-        parallelize_module(block, tp_mesh, tp_plan())
+        parallelize_module(block, tp_mesh, tp_plan(sequence_parallel))
+    if sequence_parallel:
+        parallelize_module(stage, tp_mesh, stage_plan(stage))
     return stage
 
 
