@@ -2,7 +2,9 @@
 32-bit and x32 ABIs, another rank's /proc, replies too large or never finished, a forged hang
 diagnosis, a rank's exit reported late, descriptors of a request split across reads.
 
-One sandbox (its kernel and its rank zygote) serves the whole module: ~10 s to start on 2 cores.
+One sandbox (its kernel and its rank zygote) serves the whole module, twice: with its kernel forked
+from the run's kernel template (grading/kernel_template.py, what `labkit grade` does) and started
+the old way (unshare + _nsinit.py, the fallback); ~10 s to start each on 2 cores.
 """
 import json
 import os
@@ -20,7 +22,8 @@ from grading_helpers import needs_root_sandbox
 from labkit.errors import CallTimeout, RankError
 from labkit.grading import _rank_init, ranks
 from labkit.grading.ranks import SandboxWorld, Zygote
-from labkit.grading.sandbox import Sandbox
+from labkit.grading.kernel_template import KernelTemplate
+from labkit.grading.sandbox import Limits, Sandbox
 from labkit.runtime import diagnose
 
 pytestmark = [needs_root_sandbox(), pytest.mark.timeout(180)]
@@ -78,9 +81,21 @@ def template():
 
 
 @pytest.fixture(scope="module")
-def box(tmp_path_factory, template):
-    sandbox = Sandbox(str(tmp_path_factory.mktemp("holes") / "run"))
+def kernel_template():
+    """The run's kernel template (grading/kernel_template.py), as `labkit grade` starts it."""
+    with KernelTemplate() as started:
+        yield started
+
+
+@pytest.fixture(scope="module", params=["forked kernel", "unshare kernel"])
+def box(request, tmp_path_factory, template, kernel_template):
+    """The sandbox every probe below runs in, once with its kernel forked from the run's kernel
+    template (the path `labkit grade` takes) and once started the old way (its fallback)."""
+    forked = request.param == "forked kernel"
+    limits = Limits(kernel_template=kernel_template.path if forked else None)
+    sandbox = Sandbox(str(tmp_path_factory.mktemp("holes") / "run"), limits=limits)
     sandbox.start()
+    assert sandbox.forked == forked, sandbox._log_tail()
     zygote = Zygote(sandbox, sandbox.private_dir(), template=template.path)
     assert zygote.forked, zygote.log_tail()
     yield sandbox, zygote
@@ -166,7 +181,7 @@ def test_seccomp_program_denies_foreign_arch_first():
         _rank_init.seccomp_program("sparc")
 
 
-def test_the_graders_references_are_not_in_the_sandbox(world):
+def test_the_graders_references_are_not_in_the_sandbox(box, world):
     """labkit.grading.references computes graded answers (lab 6's search, lab 8's simulator...):
     the student copy has no such package, and student code under labkit grade must not find it
     either, on a rank or (the same root) in the kernel."""
@@ -181,6 +196,21 @@ def test_the_graders_references_are_not_in_the_sandbox(world):
               "(listing, imported)")
     for rank, (listing, imported) in enumerate(world.run_source(source)):
         assert listing == [] and not imported, (rank, listing, imported)
+    sandbox, _ = box
+    result = sandbox.execute(source.replace("\n(listing, imported)", "\nprint(listing, imported)"),
+                             timeout=60)
+    assert result.status == "ok" and result.outputs[0]["text"] == "[] False\n", result.outputs
+
+
+def test_the_kernel_cannot_see_the_ranks_processes(box, world):
+    """hidepid=2 holds for the kernel too, whichever way it was started: it lists only its own
+    user's processes (not process 1, not the ranks)."""
+    sandbox, _ = box
+    pids = world.run_source("import os\nos.getpid()")
+    result = sandbox.execute("import os\nprint(sorted(int(p) for p in os.listdir('/proc') "
+                             "if p.isdigit()))", timeout=60)
+    visible = eval(result.outputs[0]["text"])  # noqa: S307 (a list of ints we printed)
+    assert 2 in visible and 1 not in visible and not set(pids) & set(visible), (pids, visible)
 
 
 def test_a_rank_cannot_see_another_ranks_processes(world):

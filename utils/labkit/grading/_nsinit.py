@@ -17,6 +17,10 @@ What it does, in order:
   3. forks; the child chroots there, drops to the sandbox user (no groups, no capabilities,
      no_new_privs), sets resource limits and execs the kernel; this process stays root, reaps
      orphans and exits with the kernel, which ends the PID namespace and every process in it.
+
+The kernel template (grading/_kernel_template.py) runs the same steps through `prepare`,
+`start_kernel`, `become_kernel_user` and `reap_until`, and starts the kernel in its fork instead
+of execve.
 """
 import ctypes
 import fcntl
@@ -27,8 +31,11 @@ import socket
 import struct
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # python -I: only this folder
-import _proc  # noqa: E402  (standard library only, like this file)
+if __package__:                 # imported by the kernel template (grading/_kernel_template.py)
+    from labkit.grading import _proc
+else:                           # python -I _nsinit.py: only this folder
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _proc  # noqa: E402  (standard library only, like this file)
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -95,7 +102,9 @@ def build_root(spec):
     _bind(spec["workdir"], root + spec["workdir"], read_only=False)
 
 
-def run_kernel(spec):
+def become_kernel_user(spec):
+    """In the kernel's process: into the new root, as the sandbox user (no groups, no
+    capabilities, no_new_privs), with the sandbox's resource limits and umask."""
     root = spec["root"]
     os.chroot(root)
     os.chdir(spec["workdir"])
@@ -107,32 +116,51 @@ def run_kernel(spec):
     for name, value in spec["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     os.umask(0o077)
+
+
+def run_kernel(spec):
+    become_kernel_user(spec)
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
 
 
-def main():
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
+def prepare(spec):
+    """Process 1's steps before the kernel's fork: cgroups, loopback, hostname, the new root."""
     _proc.join_cgroups(spec["cgroups"])      # our children inherit the cgroups
     if spec["loopback"]:
         _loopback_up()
         socket.sethostname("localhost")     # own UTS namespace; resolvable, so gloo stays quiet
     build_root(spec)
+
+
+def start_kernel(spec, run):
+    """Fork the kernel's process, which calls `run(spec)` (it never returns into this one)."""
     child = os.fork()
     if child == 0:
         try:
-            run_kernel(spec)
+            run(spec)
         except BaseException as error:        # noqa: BLE001 (report anything, then leave)
             _proc.say(f"labkit sandbox: cannot start the kernel: {error!r}")
         finally:
             os._exit(111)
-    while True:                               # PID 1: reap orphans until the kernel exits
+    return child
+
+
+def reap_until(child):
+    """PID 1: reap orphans until the kernel exits, then exit with its status."""
+    while True:
         try:
             pid, status = os.wait()
         except ChildProcessError:
             os._exit(0)
         if pid == child:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    prepare(spec)
+    reap_until(start_kernel(spec, run_kernel))
 
 
 if __name__ == "__main__":

@@ -633,10 +633,13 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
     try:
         with contextlib.ExitStack() as stack:
             if isolated and job_list:        # one interpreter imports torch for every sandbox
+                from labkit.grading.kernel_template import KernelTemplate
                 from labkit.grading.ranks import RankStarterTemplate
                 template = stack.enter_context(RankStarterTemplate())
+                kernels = stack.enter_context(KernelTemplate())     # ... and for every kernel
                 for job in job_list:
                     job["rank_template"] = template.path
+                    job["limits"]["kernel_template"] = kernels.path
             killed = _run_workers(job_list, jobs, time_limit, log)
     finally:
         # the workers are gone (_run_workers waited for them); what they left: first every

@@ -56,6 +56,8 @@ class Limits:
     startup_timeout: float = 60.0
     require_isolation: bool = False
     isolate: bool = True              # False: the plain kernel even where the sandbox would work
+    kernel_template: str | None = None  # a KernelTemplate's path: the kernel is forked from it
+                                        # (grading/kernel_template.py); None: unshare + _nsinit
 
 
 @dataclasses.dataclass
@@ -157,6 +159,19 @@ def hidden_paths() -> list[str]:
                          "references")]
 
 
+def kernel_env(home: str) -> dict:
+    """The kernel's environment, whose home (and IPython's and Jupyter's folders) is `home`: the
+    sandbox's working folder, or the kernel template's own folder (grading/kernel_template.py)."""
+    return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+            "PYTHONPATH": _LABKIT_PARENT,
+            "IPYTHONDIR": os.path.join(home, ".ipython"),
+            "JUPYTER_RUNTIME_DIR": os.path.join(home, ".kernel"),
+            "MPLBACKEND": "agg", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "NBGRADER_EXECUTION": "autograde", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+            "TORCH_CPP_LOG_LEVEL": "ERROR"}   # c10d reverse-lookup warnings: no DNS here
+
+
 def _die_with_parent():
     """In the child before exec: SIGKILL it when the grading process dies (so a killed worker
     never leaves a sandbox behind: unshare --kill-child then takes the whole namespace)."""
@@ -194,6 +209,7 @@ class Sandbox:
         self.root = None
         self._namespace_pid = None
         self._kernel_dir_fd = None       # the kernel's socket folder, for the grader (start)
+        self.forked = False              # the kernel is a fork of the run's kernel template
         self.ranks_started = 0           # ranks the grader started here (their uids: ranks.py)
         self.worlds_started = 0          # worlds started here (their store ports: ranks.py)
 
@@ -224,14 +240,7 @@ class Sandbox:
         conn_path = os.path.join(kernel_dir, "connection.json")
         with open(conn_path, "w") as f:
             json.dump(conn, f)
-        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-               "HOME": self.workdir, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONPATH": _LABKIT_PARENT,
-               "IPYTHONDIR": os.path.join(self.workdir, ".ipython"),
-               "JUPYTER_RUNTIME_DIR": os.path.join(self.workdir, ".kernel"),
-               "MPLBACKEND": "agg", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
-               "NBGRADER_EXECUTION": "autograde", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-               "TORCH_CPP_LOG_LEVEL": "ERROR"}   # c10d reverse-lookup warnings: no DNS here
+        env = kernel_env(self.workdir)
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn_path,
                 "--HistoryManager.enabled=False"]
         self.log_path = os.path.join(self.private, "kernel.log")
@@ -262,14 +271,17 @@ class Sandbox:
                     "tmp_bytes": self.limits.tmp_bytes,
                     "rlimits": rlimits, "env": env, "argv": argv, "loopback": True,
                     "cgroups": [os.path.join(p, "cgroup.procs") for p in self.cgroups]}
-            spec_path = os.path.join(self.private, "spec.json")
-            with open(spec_path, "w") as f:
-                json.dump(spec, f)
-            cmd = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
-                   "--kill-child", "--", sys.executable, "-I", _NSINIT, spec_path]
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, close_fds=True, env={},
-                                         preexec_fn=_die_with_parent)
+            if self.limits.kernel_template:
+                self.proc = self._fork_kernel(spec, log)
+            if self.proc is None:
+                spec_path = os.path.join(self.private, "spec.json")
+                with open(spec_path, "w") as f:
+                    json.dump(spec, f)
+                cmd = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+                       "--kill-child", "--", sys.executable, "-I", _NSINIT, spec_path]
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, close_fds=True, env={},
+                                             preexec_fn=_die_with_parent)
         else:
             rlimits["RLIMIT_AS"] = self.limits.memory_bytes
 
@@ -284,6 +296,21 @@ class Sandbox:
                                          start_new_session=True, preexec_fn=limit)
         log.close()
         self._connect(dict(conn, ip=f"/proc/self/fd/{self._kernel_dir_fd}/k"), conn_path)
+
+    def _fork_kernel(self, spec, log):
+        """The kernel forked from the run's template (grading/kernel_template.py), or None, with
+        the reason in the kernel's log, when the template does not answer."""
+        from labkit.grading.kernel_template import start_forked
+        try:
+            kernel = start_forked(self.limits.kernel_template, spec, log,
+                                  timeout=self.limits.startup_timeout)
+        except (OSError, RuntimeError, ValueError, KeyError) as error:
+            log.write(f"labkit sandbox: the run's kernel template did not answer ({error!r}); "
+                      "starting the kernel with unshare\n".encode())
+            log.flush()
+            return None
+        self.forked = True
+        return kernel
 
     def _connect(self, conn, conn_path):
         import zmq
@@ -408,6 +435,8 @@ class Sandbox:
                     except ProcessLookupError:
                         pass
             self.proc.wait()
+            if self.forked:
+                self.proc.release()
             if not self.isolated:
                 kill_adopted()       # daemons of its own session (setsid) that escaped killpg
         for path in self.cgroups + self.rank_cgroups:
