@@ -156,6 +156,22 @@ def test_wire_bytes_are_2_psi_and_3_psi_and_grow_with_microbatches_in_stage_3():
         48 * ledger.wire_bytes_per_rank(psi, P, 1, microbatches=32))
 
 
+def test_wire_bytes_with_fp32_reductions_double_only_the_reductions():
+    psi, P, b = 1e9, 8, 7 / 8 * 1e9
+    fp32 = dict(reduction_bytes_per_element=4)
+    assert ledger.wire_bytes_per_rank(psi, P, 0, **fp32) == pytest.approx(2 * b * 4)
+    for stage in (1, 2):
+        assert ledger.wire_bytes_per_rank(psi, P, stage, **fp32) == pytest.approx(b * (4 + 2))
+    assert ledger.wire_bytes_per_rank(psi, P, 3, **fp32) == pytest.approx(b * (4 + 2 * 2))
+    assert ledger.wire_bytes_per_rank(psi, P, 3, microbatches=4, **fp32) == pytest.approx(b * 4 * (4 + 4))
+    assert ledger.wire_bytes_per_rank(psi, P, 3, microbatches=4, reshard="step", **fp32) \
+        == pytest.approx(b * (4 + 2))
+    assert ledger.wire_bytes_per_rank(psi, P, 2, reduction_bytes_per_element=2) \
+        == ledger.wire_bytes_per_rank(psi, P, 2)
+    with pytest.raises(ValueError, match="reduction_bytes_per_element"):
+        ledger.wire_bytes_per_rank(psi, P, 2, reduction_bytes_per_element=0)
+
+
 # ---- one process: the profiler's categories, saved activations, schedules ------------------------
 
 def test_profiler_categories_of_a_plain_adamw_step_are_exact():
@@ -231,6 +247,43 @@ def test_bytes_kept_and_sent_match_the_ledger_at_p_3(world):
             assert expected <= traffic.sent[rank] <= expected + 160 * 6 * layers * (P - 1), \
                 (stage, rank, traffic.sent, expected)
         assert traffic.sent[3] == 0                      # the fourth rank sat it out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", ledger.STAGES)
+def test_fp32_main_gradients_train_like_one_process_and_keep_the_18_byte_row_at_p_3(world, stage):
+    # float64 run: the main gradients are float64 too, so the history must match one process
+    exact = bench.bench_case(stage, P=3, layers=2, hidden=5, batch=2, seq=3, steps=3, dtype="float64",
+                             lr=1e-2, weight_decay=0.1, history=True, main_grads=True)
+    reference = bench.reference_history(exact, 3)
+    for result in world.run(bench.run_bench, exact)[:3]:
+        for step, want in zip(result["history"], reference):
+            for got, w in zip(step, want):
+                torch.testing.assert_close(got[:w.numel()], w, rtol=1e-12, atol=1e-14)
+    # bf16 weights, FP32 main gradients: Megatron's 18 bytes, 6 + 12/d at stage 1; FP32 on the wire
+    P, layers, hidden = 3, 2, 24
+    psi = layers * zero.padded_numel(hidden, P)
+    case = bench.bench_case(stage, P=P, layers=layers, hidden=hidden, main_grads=True)
+    world.run(bench.run_bench, case)
+    with world.traffic() as traffic:
+        kept = world.run(bench.run_bench, case)[0]["kept"]
+    states = ledger.model_states(psi, P, stage, "mixed_fp32_grads")
+    assert kept["parameters"] == states["parameters"]
+    assert kept["gradients"] == states["gradients"] == 4 * psi / (P if stage >= 2 else 1)
+    assert kept["optimizer_states"] == states["optimizer_states"] + 4 * layers
+    expected = ledger.wire_bytes_per_rank(psi, P, stage, reduction_bytes_per_element=4)
+    for rank in range(P):
+        assert expected <= traffic.sent[rank] <= expected + 160 * 6 * layers * (P - 1), \
+            (stage, rank, traffic.sent, expected)
+
+
+def test_main_gradients_and_profile_rank_refuse_what_they_do_not_build():
+    block = zero.make_blocks(1, 4, 0, 1, 0, 3)[0]
+    block.keep_for_step()
+    with pytest.raises(ValueError, match="reshard='step'"):
+        block.use_main_grad()
+    with pytest.raises(ValueError, match="profile_rank"):
+        bench.bench_case(0, profile="raw", profile_rank=-1)
 
 
 @pytest.mark.timeout(120)

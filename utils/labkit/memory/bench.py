@@ -71,18 +71,24 @@ def reference_training(layers, hidden, seed, batches, lr=1e-3, weight_decay=0.0,
 # ---- rank programs for the chapter and the tests -------------------------------------------------
 
 def bench_case(stage, P=None, layers=3, hidden=48, batch=4, seq=16, steps=1, dtype="bfloat16",
-               lr=1e-3, weight_decay=0.0, seed=0, profile=False, history=False) -> dict:
+               lr=1e-3, weight_decay=0.0, seed=0, profile=False, history=False,
+               main_grads=False, profile_rank=None) -> dict:
     """Plain data for `run_bench`: P ranks (default: the whole world) train `layers` blocks with
-    ZeRO `stage`, each on its own [batch, seq, hidden] slice of the data, for `steps` steps."""
+    ZeRO `stage`, each on its own [batch, seq, hidden] slice of the data, for `steps` steps.
+    main_grads=True: gradients accumulated and reduced in FP32 (FP64 for float64 runs), Megatron's
+    18 bytes per parameter (`zero.ZeroTrainer`). profile_rank: profile the extra step on that rank
+    only (the others take the same step unprofiled); default: every rank."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
     if P is not None and (not isinstance(P, int) or P < 1):
         raise ValueError(f"P must be a positive int (ranks sharing the states), got {P!r}")
     if profile not in (False, "roles", "raw"):
         raise ValueError(f"profile must be False, 'roles' or 'raw', got {profile!r}")
+    if profile_rank is not None and (not isinstance(profile_rank, int) or profile_rank < 0):
+        raise ValueError(f"profile_rank must be None or a rank (an int >= 0), got {profile_rank!r}")
     return dict(stage=stage, P=P, layers=layers, hidden=hidden, batch=batch, seq=seq, steps=steps,
                 dtype=dtype, lr=lr, weight_decay=weight_decay, seed=seed, profile=profile,
-                history=history)
+                history=history, main_grads=bool(main_grads), profile_rank=profile_rank)
 
 
 def batches(case, rank, P):
@@ -113,7 +119,8 @@ def run_bench(case):
                          dtype=dtype, device=device, group=group)
     trainer = ZeroTrainer(blocks, case["stage"], group=group, lr=case["lr"],
                           weight_decay=case["weight_decay"],
-                          master_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+                          master_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                          main_grads=case.get("main_grads", False))
     weights = []
     loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -128,7 +135,9 @@ def run_bench(case):
     kept = {category: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                            for t in tensors}.values()) for category, tensors in roles.items()}
     result = {"kept": kept, "history": weights}
-    if case["profile"]:
+    if case["profile"] and case.get("profile_rank") not in (None, rank):
+        step(batches(dict(case, steps=1), rank, P)[0].to(device=device, dtype=dtype))  # unprofiled
+    elif case["profile"]:
         x = batches(dict(case, steps=1), rank, P)[0].to(device=device, dtype=dtype)
         labels = roles if case["profile"] == "roles" else None
         if device.type == "cuda":                        # CUDA's own count, allocator included

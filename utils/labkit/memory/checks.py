@@ -546,15 +546,8 @@ def pipeline_memory_program(case):
     stage, the dp rank and those readings, in order."""
     import weakref
 
-    import torch.distributed as dist
-
-    import labkit
     rank, dp, stage, dp_rank, device, blocks, trainer = zero_pipeline.stage_trainer(case)
-    pp, H, L, m = case["pp"], case["hidden"], case["layers"], case["microbatches"]
-    step_policy = case["reshard"] == "step"
-    order = zero_pipeline.schedule(case["schedule"], pp, stage, m)
-    last = max(j for j, (kind, _) in enumerate(order) if kind == "B")
-    shape = (case["micro_batch"], case["seq"], H)                       # [b, T, H]
+    order = zero_pipeline.schedule(case["schedule"], case["pp"], stage, case["microbatches"])
     saved = {}                                                          # storage -> bytes
 
     def pack(tensor):
@@ -566,39 +559,10 @@ def pipeline_memory_program(case):
         return tensor
 
     def one_step(seed, readings):
-        inputs, outputs, works = {}, {}, []
-        for j, (kind, i) in enumerate(order):
-            for block in blocks:
-                block.last_backward = j == last
-            if kind == "F":
-                if stage == 0:
-                    x = torch.randn(shape, generator=torch.Generator().manual_seed(
-                        seed * 7919 + 31 * dp_rank + i)).to(device)
-                else:
-                    x = torch.empty(shape, device=device)
-                    dist.recv(x, src=rank - dp)
-                    x.requires_grad_(True)
-                    inputs[i] = x
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    outputs[i] = trainer.forward(x)
-                if stage < pp - 1:
-                    works.append(dist.isend(outputs[i].detach(), dst=rank + dp))
-            else:
-                out = outputs.pop(i)
-                if stage == pp - 1:
-                    (out.square().mean() / m).backward()
-                else:
-                    grad = torch.empty(shape, device=device)
-                    dist.recv(grad, src=rank + dp)
-                    out.backward(grad)
-                if stage > 0:
-                    x = inputs.pop(i)
-                    works.append(dist.isend(x.grad, dst=rank - dp))
-            x = out = grad = None                                       # the loop holds nothing
-            readings.append(zero_pipeline.held_bytes(trainer) + sum(saved.values()))
-        for work in works:
-            work.wait()
-        trainer.step()
+        zero_pipeline.run_step(
+            case, trainer, blocks, seed=seed,
+            forward_context=lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            read=lambda: readings.append(zero_pipeline.held_bytes(trainer) + sum(saved.values())))
 
     one_step(case["seed"], [])                                          # warm-up
     readings = []

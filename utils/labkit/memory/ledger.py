@@ -146,7 +146,8 @@ def communication_volume(stage: int) -> int:
 
 
 def wire_bytes_per_rank(psi: float, dp: int, stage: int, bytes_per_element: float = 2,
-                        microbatches: int = 1, reshard: str = "microbatch") -> float:
+                        microbatches: int = 1, reshard: str = "microbatch",
+                        reduction_bytes_per_element: float | None = None) -> float:
     """Bytes each rank sends per step on a ring or direct exchange: (P-1)/P of every collective.
 
     Stage 3 with m microbatches (gradient accumulation or a pipeline) resharded every microbatch
@@ -154,14 +155,27 @@ def wire_bytes_per_rank(psi: float, dp: int, stage: int, bytes_per_element: floa
     reduce-scatters every backward: 3 m Psi. Stages 1-2 keep one gather per step; stage 2
     reduce-scatters per microbatch: (1 + m) Psi; DP and stage 1: 2 Psi. reshard="step" (weights
     and a full gradient kept for the step, as torch's pipelining stage does to FSDP2; chapter 6's
-    `mesh.cost` has the same switch): stages 2-3 send 2 Psi, like stage 1."""
+    `mesh.cost` has the same switch): stages 2-3 send 2 Psi, like stage 1.
+
+    `reduction_bytes_per_element` (default: `bytes_per_element`): the dtype the gradients are
+    reduced in, 4 with FP32 main gradients (Megatron's grad_reduce_in_fp32, FSDP2's
+    reduce_dtype=float32). The reductions are DP's all-reduce (2 Psi), one reduce-scatter per step
+    (stage 1, and stages 2-3 resharded once per step) or per microbatch (stages 2-3); the gathers
+    carry the weights in `bytes_per_element`."""
     _check_stage(stage)
     _check_positive(psi=psi, dp=dp, microbatches=microbatches)
     if reshard not in ("microbatch", "step"):
         raise ValueError(f"reshard must be 'microbatch' or 'step', got {reshard!r}")
+    reduced = bytes_per_element if reduction_bytes_per_element is None else reduction_bytes_per_element
+    if reduction_bytes_per_element is not None:
+        _check_positive(reduction_bytes_per_element=reduction_bytes_per_element)
     m = microbatches
-    units = {0: 2, 1: 2, 2: 1 + m, 3: 3 * m}[1 if reshard == "step" and stage >= 2 else stage]
-    return units * (dp - 1) / dp * psi * bytes_per_element
+    # (reduction, gather) units of Psi per step
+    units = {0: (2, 0), 1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[
+        1 if reshard == "step" and stage >= 2 else stage]
+    if reduced == bytes_per_element:
+        return sum(units) * (dp - 1) / dp * psi * bytes_per_element
+    return (units[0] * reduced + units[1] * bytes_per_element) * (dp - 1) / dp * psi
 
 
 # ---- activations (Korthikanti et al. 2022) ----------------------------------------------------

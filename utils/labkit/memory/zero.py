@@ -23,6 +23,23 @@ each block's gradient as soon as backward produced it. The reduce-scatter here i
 plus a local sum: gloo's own reduce_scatter is an all-reduce underneath and sends twice the bytes
 (measured in the chapter), where NCCL's is a ring that sends (P-1)/P of the data.
 
+FP32 main gradients (`ZeroTrainer(..., main_grads=True)`, off by default): Megatron-LM's recipe with
+bf16 weights, 2 + 4 + 12 = 18 bytes per parameter. Backward still computes each block's gradient
+in the compute dtype, into a fresh tensor, and adds it at once into an FP32 accumulator kept per
+block (`Block.main_grad`), as Megatron's backward hook does (`param.main_grad.add_(param.grad)` in
+megatron/core/distributed/distributed_data_parallel.py, `_make_backward_post_hook`; the buffer is
+`_ParamAndGradBuffer.grad_data`, allocated in `grad_dtype` = float32 when `grad_reduce_in_fp32`,
+megatron/core/distributed/param_and_grad_buffer.py). The reduction runs in FP32 too, so it sends
+twice the bf16 bytes. What stays, by stage:
+
+    stage  FP32 main gradient kept        reduced by
+    0      full  [N_l]                    all-reduce of main_grad, once per step
+    1      full  [N_l]                    reduce-scatter of main_grad, once per step (Megatron's
+                                          distributed optimizer keeps the whole grad_data buffer
+                                          and reads its own slice: 6 + 12/d bytes per parameter)
+    2, 3   shard [S]                      each backward's gradient copied to an FP32 buffer
+                                          [N_l], reduce-scattered, its [S] added to main_grad
+
 Block math, done by hand in `_BlockFunction` so that what is gathered, saved and freed is visible:
     pre = x W1^T + b1    [B, T, 4H]
     act = gelu(pre)      [B, T, 4H]
@@ -109,14 +126,16 @@ class Buffers:
     exact: a tensor handed to gloo can otherwise be freed on gloo's own thread, which the profiler
     does not watch.) Stage 3 gathers into `gathered`; stages 1-3 receive slices in `received`;
     stages 2-3 build a block's full gradient in `gradient`; stages 1-2 stage the new bf16 slice
-    in `outgoing`."""
+    in `outgoing`. `grad_dtype` (FP32 main gradients; default: `dtype`) is the dtype of the two
+    that carry gradients on the wire, `gradient` and `received`."""
 
-    def __init__(self, numel, shard_numel, stage, dtype, device):
-        def buffer(n, needed):
-            return torch.zeros(n if needed else 0, dtype=dtype, device=device)
+    def __init__(self, numel, shard_numel, stage, dtype, device, grad_dtype=None):
+        def buffer(n, needed, kind=dtype):
+            return torch.zeros(n if needed else 0, dtype=kind, device=device)
+        grad_dtype = dtype if grad_dtype is None else grad_dtype
         self.gathered = buffer(numel, stage == 3)           # [N_l]
-        self.gradient = buffer(numel, stage >= 2)           # [N_l]
-        self.received = buffer(numel, stage >= 1)           # [N_l] = [P * S]
+        self.gradient = buffer(numel, stage >= 2, grad_dtype)   # [N_l]
+        self.received = buffer(numel, stage >= 1, grad_dtype)   # [N_l] = [P * S]
         self.outgoing = buffer(shard_numel, stage in (1, 2))  # [S]
 
     def nbytes(self) -> int:
@@ -181,6 +200,7 @@ class Block(nn.Module):
         self.reshard = "microbatch"                          # or "step": see keep_for_step
         self.last_backward = True                            # "step": is this the step's last?
         self.unsharded_gradient = None                       # "step": [N_l], summed over microbatches
+        self.main_grad = None                                # FP32 main gradient: see use_main_grad
         self.gathered = None
         if stage <= 1:
             self.flat, self.shard = nn.Parameter(flat), None
@@ -220,6 +240,16 @@ class Block(nn.Module):
             self.gathered = nn.Parameter(torch.zeros(0, dtype=self.shard.dtype,
                                                      device=self.shard.device), requires_grad=False)
 
+    def use_main_grad(self, dtype=torch.float32):
+        """Accumulate this block's gradient in `dtype` (Megatron's main_grad; see the module
+        docstring): [N_l] kept for stages 0-1, this rank's [S] for stages 2-3. Autograd's own
+        .grad stays None. Called by ZeroTrainer(main_grads=True)."""
+        if self.reshard == "step":
+            raise ValueError("FP32 main gradients are not built for reshard='step' (keep_for_step); "
+                             "use the default policy")
+        self.main_grad = torch.zeros(self.numel if self.stage <= 1 else self.shard_numel,
+                                     dtype=dtype, device=self.device())
+
     def flat_dtype(self):
         return (self.flat if self.flat is not None else self.shard).dtype
 
@@ -254,14 +284,23 @@ class Block(nn.Module):
     def gradient_buffer(self, like):
         """Where backward writes this block's full gradient: a fresh tensor (stages 0-1, handed to
         autograd, which adds it to flat.grad) or the shared buffer (stages 2-3, reduce-scattered
-        at once)."""
-        if self.stage <= 1 or self.reshard == "step":
+        at once). With a main gradient: a fresh tensor (Megatron's param.grad), added to it."""
+        if self.stage <= 1 or self.reshard == "step" or self.main_grad is not None:
             return torch.zeros_like(like)
         self.buffers.gradient.zero_()
         return self.buffers.gradient
 
     def reduce_gradient(self, grad_flat):
-        """Stages 0-1 keep the full gradient [N_l]; stages 2-3 keep only their slice [S], summed."""
+        """Stages 0-1 keep the full gradient [N_l]; stages 2-3 keep only their slice [S], summed.
+        With a main gradient the sum is kept there (FP32) and autograd gets None."""
+        if self.main_grad is not None:
+            if self.stage <= 1:                              # reduced once per step, in step()
+                self.main_grad.add_(grad_flat)               # bf16 -> FP32 accumulator [N_l]
+            else:
+                wire = self.buffers.gradient                 # FP32 [N_l]: reduced in FP32
+                wire.copy_(grad_flat)
+                self.main_grad.add_(reduce_scatter(wire, self.buffers.received, self.group))  # [S]
+            return None
         if self.stage <= 1:
             return grad_flat
         if self.reshard == "step":                           # sum now, reduce-scatter at the end
@@ -289,17 +328,24 @@ class ZeroTrainer:
     step(): averages the gradients over the ranks (stage 0 all-reduce, stage 1 reduce-scatter, stages
     2-3 already reduce-scattered in backward), steps this rank's fp32 master block by block (one
     block's fp32 gradient alive at a time), and writes the new weights back (stage 0 copies,
-    stages 1-2 all-gather, stage 3 keeps its shard)."""
+    stages 1-2 all-gather, stage 3 keeps its shard).
+
+    main_grads=True: gradients accumulated and reduced in `master_dtype` (FP32 main gradients,
+    Megatron-LM's 18 bytes per parameter; see the module docstring). Off by default."""
 
     def __init__(self, blocks, stage, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, master_dtype=torch.float32):
+                 weight_decay=0.0, master_dtype=torch.float32, main_grads=False):
         self.blocks, self.stage, self.group = blocks, stage, group
         self.world_size = dist.get_world_size(group)
+        self.main_grads = bool(main_grads)
         weights = [b.flat if b.flat is not None else b.shard for b in blocks]
         self.buffers = Buffers(max(b.numel for b in blocks), max(b.shard_numel for b in blocks),
-                               stage, weights[0].dtype, weights[0].device)
+                               stage, weights[0].dtype, weights[0].device,
+                               grad_dtype=master_dtype if self.main_grads else None)
         for block in blocks:
             block.attach(self.buffers)
+            if self.main_grads:
+                block.use_main_grad(master_dtype)
         self.masters, self.optimizers = [], []               # fp32 [N_l] (stage 0) or [S]
         for block in blocks:
             source = block.flat if stage == 0 else (
@@ -316,6 +362,13 @@ class ZeroTrainer:
         return x
 
     def _summed_gradient(self, block):
+        if block.main_grad is not None:                                 # FP32 on the wire
+            if self.stage == 0:
+                dist.all_reduce(block.main_grad, group=self.group)      # [N_l], summed
+            elif self.stage == 1:                                       # main_grad [N_l] kept whole
+                received = self.buffers.received[:block.numel]
+                return reduce_scatter(block.main_grad, received, self.group)   # [N_l] -> [S]
+            return block.main_grad                                      # [N_l] or [S], summed
         if self.stage == 0:
             dist.all_reduce(block.flat.grad, group=self.group)          # [N_l], summed
             return block.flat.grad
@@ -342,11 +395,13 @@ class ZeroTrainer:
             for p in (block.flat, block.shard):
                 if p is not None and p.grad is not None:
                     p.grad.zero_()                                      # kept: a steady buffer
+            if block.main_grad is not None:
+                block.main_grad.zero_()                                 # kept, as Megatron's grad_data
 
     def roles(self) -> dict:
         """The tensors this rank keeps, by ledger category (after a first step, so that the
-        optimizer states exist): parameters, gradients, optimizer_states (fp32 master, m, v,
-        step), buffers."""
+        optimizer states exist): parameters, gradients (FP32 main gradients with main_grads),
+        optimizer_states (fp32 master, m, v, step), buffers."""
         parameters, gradients = [], []
         for block in self.blocks:
             for p in (block.flat, block.shard):
@@ -354,6 +409,8 @@ class ZeroTrainer:
                     parameters.append(p)
                     if p.grad is not None:
                         gradients.append(p.grad)
+            if block.main_grad is not None:
+                gradients.append(block.main_grad)
         states = list(self.masters) + [t for opt in self.optimizers for state in opt.state.values()
                                         for t in state.values() if torch.is_tensor(t)]
         buffers = [t for t in vars(self.buffers).values() if t.numel()]

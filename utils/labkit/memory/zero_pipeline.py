@@ -127,10 +127,11 @@ def train_step(case: dict) -> dict:
     its stage, its dp rank, the order of its work, and the bytes it held (`held_bytes`) during
     the step (the most, read after each forward and backward) and after it."""
     rank, dp, stage, dp_rank, device, blocks, trainer = stage_trainer(case)
-    during = _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device)
+    readings = []
+    run_step(case, trainer, blocks, read=lambda: readings.append(held_bytes(trainer)))
     order = schedule(case["schedule"], case["pp"], stage, case["microbatches"])
     return {"stage": stage, "dp_rank": dp_rank, "order": [f"{k}{i}" for k, i in order],
-            "bytes_during": during, "bytes_between": held_bytes(trainer),
+            "bytes_during": max(readings), "bytes_between": held_bytes(trainer),
             "masters": [master.detach().double().clone() for master in trainer.masters]}
 
 
@@ -142,8 +143,9 @@ def held_bytes(trainer) -> int:
         for p in (block.flat, block.shard, block.gathered):
             if p is not None:
                 tensors += [p] + ([p.grad] if p.grad is not None else [])
-        if block.unsharded_gradient is not None:
-            tensors.append(block.unsharded_gradient)
+        for kept in (block.unsharded_gradient, block.main_grad):
+            if kept is not None:
+                tensors.append(kept)
     storages = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -152,30 +154,41 @@ def held_bytes(trainer) -> int:
     return sum(storages.values())
 
 
-def _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device) -> int:
-    """One training step; returns the most bytes `held_bytes` read between its forwards and
-    backwards."""
-    pp, H, m = case["pp"], case["hidden"], case["microbatches"]
+def run_step(case, trainer, blocks, seed=None, read=None, forward_context=None):
+    """One training step on this rank (rank r: stage r // dp, dp rank r % dp): the forwards and
+    backwards of the schedule's order, activations sent to r + dp and gradients back to r - dp,
+    then the optimizer step. `seed` (default case["seed"]) draws stage 0's microbatches;
+    `read()`, if given, is called after each forward and each backward, when the loop itself
+    holds no tensor of that microbatch (train_step reads `held_bytes` there, lab 3's memory
+    checker also the bytes saved for backward); `forward_context()`, if given, is entered around
+    each forward (the checker's saved_tensors_hooks)."""
+    import contextlib
+    rank, world_size, pp = dist.get_rank(), dist.get_world_size(), case["pp"]
+    dp = world_size // pp
+    stage, dp_rank = divmod(rank, dp)
+    device = trainer.blocks[0].device()
+    H, m = case["hidden"], case["microbatches"]
+    seed = case["seed"] if seed is None else seed
     shape = (case["micro_batch"], case["seq"], H)                      # [b, T, H]
     inputs, outputs, works = {}, {}, []
     order = schedule(case["schedule"], pp, stage, m)
     last = max(j for j, (kind, _) in enumerate(order) if kind == "B")
-    during = 0
     for j, (kind, i) in enumerate(order):
         for block in blocks:
             block.last_backward = j == last
         if kind == "F":
             if stage == 0:
                 x = torch.randn(shape, generator=torch.Generator().manual_seed(
-                    case["seed"] * 7919 + 31 * dp_rank + i)).to(device)
+                    seed * 7919 + 31 * dp_rank + i)).to(device)
             else:
                 x = torch.empty(shape, device=device)
                 dist.recv(x, src=rank - dp)
                 x.requires_grad_(True)
-            out = trainer.forward(x)
-            inputs[i], outputs[i] = x, out
+                inputs[i] = x
+            with forward_context() if forward_context else contextlib.nullcontext():
+                outputs[i] = trainer.forward(x)
             if stage < pp - 1:
-                works.append(dist.isend(out.detach(), dst=rank + dp))
+                works.append(dist.isend(outputs[i].detach(), dst=rank + dp))
         else:
             out = outputs.pop(i)
             if stage == pp - 1:
@@ -184,14 +197,14 @@ def _one_step(case, trainer, blocks, rank, dp, stage, dp_rank, device) -> int:
                 grad = torch.empty(shape, device=device)
                 dist.recv(grad, src=rank + dp)
                 out.backward(grad)
-            x = inputs.pop(i)
             if stage > 0:
-                works.append(dist.isend(x.grad, dst=rank - dp))
-        during = max(during, held_bytes(trainer))
+                works.append(dist.isend(inputs.pop(i).grad, dst=rank - dp))
+        x = out = grad = None                                          # the loop holds nothing
+        if read is not None:
+            read()
     for work in works:
         work.wait()
     trainer.step()
-    return during
 
 
 def count(trace, rank: int, op) -> int:
