@@ -810,3 +810,110 @@ def test_dcp_trials_kill_a_rank_of_dcp_save_and_the_commit_keeps_the_last_save(t
     assert isinstance(refused, str) and "Exception" in refused, refused
     with pytest.raises(ValueError, match="point must be one of"):
         dcp_trials.victim("x", 1, 0, 1, "y", 0, "while writing")
+
+
+# ---- sections 1-2's crash trials (labkit.checkpoint.trials) -------------------------------------
+
+_TRIAL_SAVES = variant('''
+import os
+
+import torch.distributed as dist
+from labkit.checkpoint import layout, store, trials
+
+SIZE = 70_000                                      # two os.write calls per shard
+
+
+def protocol_save(run, root, step):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sid = layout.snapshot_id(step)
+    entry = run("writer", store.write_shard, root, sid, f"rank{rank}.bin",
+                trials.payload(step, rank, SIZE))
+    entries = [None] * world_size
+    dist.all_gather_object(entries, entry)
+    if rank == 0 and all(e is not None for e in entries):
+        run("committer", store.commit, root, sid, entries, {"step": step})
+    dist.barrier()
+
+
+def write_in_place(root, step, rank):
+    folder = os.path.join(root, layout.snapshot_id(step))
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, f"rank{rank}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    data = trials.payload(step, rank, SIZE)
+    for start in range(0, len(data), 1 << 16):
+        os.write(fd, data[start:start + (1 << 16)])
+    os.close(fd)
+
+
+def naive_save(run, root, step):                   # not atomic: no manifest, no agreement
+    run("writer", write_in_place, root, step, dist.get_rank())
+    dist.barrier()
+
+
+def naive_one_process(root, step, ranks):
+    for rank in range(ranks):
+        write_in_place(root, step, rank)
+
+
+def naive_load(root, ranks):
+    for name in sorted(os.listdir(root), reverse=True):
+        files = [os.path.join(root, name, f"rank{r}.bin") for r in range(ranks)]
+        if all(os.path.isfile(f) for f in files):
+            return int(name.split("-")[1]), {r: open(f, "rb").read() for r, f in enumerate(files)}
+    return None
+
+
+def every_call(victims, rng):
+    return [(victim, {f"kill_{when}": k}) for victim, (calls, _) in sorted(victims.items())
+            for k in range(1, calls + 1) for when in ("before", "after")]
+''', {})
+
+
+def test_trials_one_process_catch_a_save_that_is_not_atomic(tmp_path):
+    """every_point's judge fails the naive save (a kill inside the last shard's writes leaves a
+    folder with every file, one cut short) and passes the store's."""
+    from labkit.checkpoint import trials
+    ns = _TRIAL_SAVES
+    with crash.Victims() as victims:
+        names, rows = trials.every_point(victims, ns["naive_one_process"], ns["naive_load"], 2,
+                                         ns["SIZE"], str(tmp_path))
+        assert names == ["write"] * 4 and len(rows) == 8
+        assert sum(is_torn for _, _, is_torn in rows) >= 2, rows
+        def protocol(root, step, ranks):
+            sid = layout.snapshot_id(step)
+            entries = [store.write_shard(root, sid, f"rank{r}.bin", trials.payload(step, r, 100))
+                       for r in range(ranks)]
+            store.commit(root, sid, entries, {"step": step})
+        names, rows = trials.every_point(victims, protocol, trials.load_store, 2, 100,
+                                         str(tmp_path), when=("after",))
+        assert not any(is_torn for _, _, is_torn in rows) and len(rows) == len(names)
+        assert {step for _, step, _ in rows} == {1, 2}
+    with pytest.raises(ValueError, match="before"):
+        trials.every_point(None, None, None, 2, 1, str(tmp_path), when=("during",))
+
+
+def test_trials_on_ranks_catch_a_save_that_is_not_atomic(tmp_path):
+    """The harness of section 2 on real ranks: the naive distributed save is torn on every rank
+    in some trial, the protocol never, and every rank loads the same step in every trial."""
+    from labkit.checkpoint import trials
+    ns, world = _TRIAL_SAVES, labkit.world(2, teaching=False)
+    naive = world.call(trials.distributed, (ns["naive_save"], ns["naive_load"],
+                                            str(tmp_path / "naive"), ns["SIZE"], ns["every_call"],
+                                            0), timeout=120)
+    assert trials.totals(naive)["torn"] > 0 and all(any(r["torn"] for r in rs) for rs in naive)
+    assert trials.phase_table(naive)["writer: while writing its shard"][1] > 0
+    good = world.call(trials.distributed, (ns["protocol_save"], trials.load_store,
+                                           str(tmp_path / "good"), ns["SIZE"], ns["every_call"],
+                                           0), timeout=120)
+    assert trials.totals(good) == {"torn": 0, "missed": 0, "agree": True}
+    assert {r["victim"] for r in good[0]} >= {("writer", 0), ("writer", 1), ("committer", 0)}
+    assert all(r["status"] == "killed" for r in good[0] if r["mine"] and r["victim"][0] ==
+               "committer")
+    rows, restarts = trials.real_ranks(world, ns["protocol_save"], trials.load_store,
+                                       str(tmp_path / "real"), 2, ns["SIZE"], ns["every_call"], 1)
+    assert restarts == sum(row[1].endswith("killed") for row in rows) and restarts >= 1, rows
+    assert all(row[2] == row[3] and not row[4] for row in rows), rows
+    with pytest.raises(Exception, match="victim"):
+        world.call(trials.distributed, (ns["protocol_save"], trials.load_store,
+                                        str(tmp_path / "bad"), 10, lambda v, rng: [(("x", 0), {})],
+                                        0), timeout=60)

@@ -8,7 +8,7 @@
 | `layout` | snapshot ids, paths, the manifest format, SHA-256, `CheckpointError` | 1 |
 | `store` | write_shard, commit, commit_folder, verify, load_latest: atomic publication | 1-3; ch. 9 |
 | `crash` | crash trials: a lean helper forks victims and SIGKILLs them at chosen points | 1, 2, 3 |
-| `trials` | where a crash trial's kill landed, the table of trials by phase | 2 |
+| `trials` | crash trials of a save: kill at every point, reload, judge against the bytes saved (one process, victims on ranks, real ranks), the table by phase | 1, 2 |
 | `dcp_trials` | DCP under the crash harness: victims with a killing FileSystemWriter, loads as one line | 3 |
 | `dcp_files` | which rank's DCP file holds each key or piece (read from `.metadata`), `check_writers` (a predicted writer per key against it), file sizes | 3, 4 |
 | `bench` | the training bench: model, AdamW, scheduler, scaler, RNGs, data cursor, hashes | 4, 5 |
