@@ -1,6 +1,6 @@
 """A sandbox kernel's start, two ways side by side in one run (root, Linux):
 
-    .venv/bin/python benchmarks/bench_kernel_start.py [--rounds 5]
+    .venv/bin/python benchmarks/bench_kernel_start.py [--rounds 5] [--grade 4]
 
 Each round starts one sandbox each way, in alternating order: (a) the old way, `unshare ...
 python -I _nsinit.py` and then `python -m ipykernel_launcher` (a fresh interpreter importing
@@ -12,6 +12,11 @@ system, from /proc); medians over the rounds with min and max. The load average 
 start and at the end (2 cores shared: a figure under load is longer, not wrong). The template's
 own start (once per run) is printed once; the first forked kernel waits for its imports, so
 round 0 is left out of the medians for both ways (the other rounds alternate the order).
+
+--grade N: then the same through `labkit grade` (the Python API, --jobs 1): the fixture lab of
+tests/grading with N solved submissions, graded once with the run's kernel template and once
+with its path pointing nowhere (every kernel the old way, the reason in its log), in alternating
+order; printed: the run's wall seconds, per submission, and the scores (equal, or it says so).
 """
 import argparse
 import os
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "utils"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "grading"))
 
 from labkit.grading.kernel_template import KernelTemplate  # noqa: E402
 from labkit.grading.sandbox import Limits, Sandbox, can_isolate  # noqa: E402
@@ -57,9 +63,60 @@ def one(folder, template_path):
         box.close()
 
 
+class _Nowhere:
+    """A stand-in for KernelTemplate whose path no template listens on: the old way, each time."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="labkit-no-kernels-")
+        self.path = os.path.join(self.folder, "nobody")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        os.rmdir(self.folder)
+
+
+def grade_runs(n):
+    """Wall seconds of `labkit grade` over n solved fixture submissions, both ways."""
+    import shutil
+    import warnings
+    warnings.filterwarnings("ignore", module="nbgrader")      # its SQLAlchemy session notes
+    from grading_helpers import FIXTURES, LAB, make_submission
+    from labkit.grading import grade, kernel_template
+    real = kernel_template.KernelTemplate
+    seconds, scores = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        course = os.path.join(folder, "course")
+        shutil.copytree(os.path.join(FIXTURES, "solutions"), os.path.join(course, "solutions"))
+        for i in range(n):
+            make_submission(course, os.path.join(folder, "subs"), f"student{i}")
+        for order, (name, kind) in enumerate([("forked from the template", real),
+                                              ("unshare + ipykernel_launcher", _Nowhere),
+                                              ("forked from the template ", real),
+                                              ("unshare + ipykernel_launcher ", _Nowhere)]):
+            kernel_template.KernelTemplate = kind
+            try:
+                since = time.perf_counter()
+                report = grade(LAB, os.path.join(folder, "subs"), jobs=1,
+                               out=os.path.join(folder, f"out{order}"), course=course,
+                               log=lambda line: None)
+                seconds.setdefault(name.strip(), []).append(time.perf_counter() - since)
+                scores.setdefault(name.strip(), []).append(report.scores)
+            finally:
+                kernel_template.KernelTemplate = real
+    print(f"\nlabkit grade, {n} solved submissions of the fixture lab, --jobs 1 (two runs each):")
+    for name, runs in seconds.items():
+        print(f"{name:<30} {' '.join(f'{r:7.1f}' for r in runs)} s   "
+              f"{statistics.mean(runs) / n:6.2f} s/submission")
+    same = all(s == scores[next(iter(scores))][0] for runs in scores.values() for s in runs)
+    print("scores: " + ("the same every run" if same else f"DIFFERENT: {scores}"))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--grade", type=int, default=0, metavar="N")
     args = parser.parse_args()
     isolated, why = can_isolate()
     if not isolated:
@@ -93,6 +150,9 @@ def main():
     print(f"\nready + setup: {old:.2f} s -> {new:.2f} s, {old - new:.2f} s saved per kernel "
           f"({old / new:.1f}x; medians of {args.rounds} rounds, [min-max]); "
           f"load average now {os.getloadavg()[0]:.1f}")
+    if args.grade:
+        grade_runs(args.grade)
+        print(f"load average now {os.getloadavg()[0]:.1f}")
     return 0
 
 
