@@ -268,3 +268,25 @@ def test_a_killed_worker_takes_its_forked_kernel_along(tmp_path, template, how):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_the_template_refuses_to_serve_with_the_references_or_a_thread(monkeypatch):
+    """What every kernel inherits is checked before the first fork: the grader's references
+    imported, or a thread started (a fork keeps only the calling one), and it does not serve."""
+    import threading
+    from labkit.grading import _kernel_template
+    monkeypatch.setattr(_kernel_template, "KERNEL_IMPORTS", ("labkit.grading.references.mesh",))
+    with pytest.raises(RuntimeError, match="imported the grader's references"):
+        _kernel_template.import_kernel_code()
+    monkeypatch.setattr(_kernel_template, "KERNEL_IMPORTS", ("json",))
+    monkeypatch.setattr(sys, "modules", {k: v for k, v in sys.modules.items()
+                                         if not k.startswith("labkit.grading.references")})
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"has \d+ threads after its imports"):
+            _kernel_template.import_kernel_code()
+    finally:
+        stop.set()
+        thread.join()
