@@ -15,6 +15,7 @@
 | `activations` | a transformer layer laid out as in Korthikanti et al., tensor- and sequence-parallel |
 | `zero_pipeline` | ZeRO inside the stages of a 2-stage pipeline: schedules, one training step |
 | `widget` | the calculator widget and its chart |
+| `selfcheck` | the chapter's check-yourself questions: answered first, judged here |
 | `checks` | lab 3's checkers |
 
 Not here: a ZeRO-1 wrapper for any torch.optim optimizer, a memory predictor for the bench,

@@ -1,4 +1,4 @@
-"""Chapter 9's check-yourself questions keep their answers in labkit (issue 29): the visible cells
+"""Chapters 3 and 9: check-yourself questions keep their answers in labkit (issues 28, 29): the cells
 ask, `labkit.faults.selfcheck` judges the answer against what the chapter measured."""
 import json
 from pathlib import Path
@@ -38,3 +38,16 @@ def test_elastic_resume_needs_both_answers_right(capsys):
     assert selfcheck.elastic_resume(6, 2, summary) is False
     out = capsys.readouterr().out
     assert "resume step: 4, you said 6" in out and "steps done twice: right" in out
+
+
+def test_chapter_3_asks_and_labkit_answers(capsys):
+    """Chapter 3's four questions: the cell under each asks labkit, which holds the answer."""
+    from labkit.memory import selfcheck as memory_check
+    book = json.loads((ROOT / "course" / "03_memory_and_zero.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+    for q in ("q1", "q2", "q3", "q4"):
+        assert f'selfcheck.ask("{q}", {q})' in cells, q
+    assert not any("labkit.memory.ask(" in c for c in cells), "an answer in visible source"
+    assert memory_check.ask("q2", None) is None
+    assert memory_check.ask("q2", 37.4) is True and memory_check.ask("q3", 32) is False
+    assert "2 x 16 x 10 = 320" in capsys.readouterr().out
