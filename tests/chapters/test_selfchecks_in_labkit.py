@@ -1,4 +1,4 @@
-"""Chapters 3 and 9: check-yourself questions keep their answers in labkit (issues 28, 29): the cells
+"""Chapters 3, 9 and 10: check-yourself questions keep their answers in labkit (issues 28, 29): the cells
 ask, `labkit.faults.selfcheck` judges the answer against what the chapter measured."""
 import json
 from pathlib import Path
@@ -51,3 +51,15 @@ def test_chapter_3_asks_and_labkit_answers(capsys):
     assert memory_check.ask("q2", None) is None
     assert memory_check.ask("q2", 37.4) is True and memory_check.ask("q3", 32) is False
     assert "2 x 16 x 10 = 320" in capsys.readouterr().out
+
+
+def test_chapter_10_asks_and_labkit_answers(capsys):
+    from labkit.context import selfcheck as context_check
+    book = json.loads((ROOT / "course" / "10_long_sequences.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+    asks = next(i for i, c in enumerate(cells) if "selfcheck.check([answer_1" in c)
+    after = cells[asks - 1:]                  # the answers' cell and what follows the question
+    assert not any("r + 1 blocks" in c or "17/4" in c for c in after), "an answer in visible source"
+    assert context_check.check([None] * 5) == [None] * 5
+    assert "17/4" not in capsys.readouterr().out
+    assert context_check.check([6, 4.25, None, None, True]) == [True, True, None, None, False]
