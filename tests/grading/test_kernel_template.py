@@ -135,7 +135,7 @@ def test_no_descriptor_of_the_template_is_open_in_the_kernel(tmp_path, template)
         targets = _printed(box, "import os, json\nprint(json.dumps([os.readlink(f'/proc/self/fd/"
                                 "{fd}') for fd in os.listdir('/proc/self/fd') if "
                                 "os.path.exists(f'/proc/self/fd/{fd}')]))")
-        listener = f"socket:[{os.fstat(template.listener.fileno()).st_ino}]"
+        listener = f"socket:[{template.listener_inode}]"
         assert listener not in targets, targets
         assert not [t for t in targets if template.folder in t or "template" in t], targets
         kernel_pid = int(open(f"/proc/{box.namespace_pid()}/task/{box.namespace_pid()}"
@@ -275,7 +275,7 @@ def test_the_template_refuses_to_serve_with_the_references_or_a_thread(monkeypat
     imported, or a thread started (a fork keeps only the calling one), and it does not serve."""
     import threading
     from labkit.grading import _kernel_template
-    monkeypatch.setattr(_kernel_template, "KERNEL_IMPORTS", ("labkit.grading.references.mesh",))
+    monkeypatch.setattr(_kernel_template, "KERNEL_IMPORTS", ("labkit.grading.references",))
     with pytest.raises(RuntimeError, match="imported the grader's references"):
         _kernel_template.import_kernel_code()
     monkeypatch.setattr(_kernel_template, "KERNEL_IMPORTS", ("json",))
@@ -290,3 +290,18 @@ def test_the_template_refuses_to_serve_with_the_references_or_a_thread(monkeypat
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_template_that_died_is_reported_and_kernels_start_the_old_way(tmp_path, capfd):
+    with KernelTemplate() as dead:
+        dead.popen.kill()
+        dead.popen.wait()
+        since = time.monotonic()
+        box = _box(tmp_path / "run", dead.path)
+        try:
+            assert time.monotonic() - since < 30, "the sandbox waited for a dead template"
+            assert not box.forked and "kernel template did not answer" in box._log_tail()
+            assert _printed(box, "print(1)") == 1
+        finally:
+            box.close()
+    assert "the run's kernel template exited" in capfd.readouterr().err

@@ -49,6 +49,10 @@ class KernelTemplate:
                  str(self.listener.fileno())],
                 pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, close_fds=True, cwd=home, env=kernel_env(home))
+        # the template's alone now: once it is gone, a connection is refused at once (a copy
+        # kept here would queue it, and each sandbox would wait its whole startup timeout)
+        self.listener_inode = os.fstat(self.listener.fileno()).st_ino
+        self.listener.close()
 
     def log_tail(self) -> str:
         try:
@@ -60,8 +64,11 @@ class KernelTemplate:
     def close(self):
         if self.popen.poll() is None:
             self.popen.kill()
+        else:               # it ended on its own: every kernel since was started the old way
+            print(f"labkit grade: the run's kernel template exited ({self.popen.returncode}); "
+                  f"kernels were started with unshare instead: {self.log_tail()}",
+                  file=sys.stderr)
         self.popen.wait()
-        self.listener.close()
         import shutil
         shutil.rmtree(self.folder, ignore_errors=True)
 

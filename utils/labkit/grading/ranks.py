@@ -190,12 +190,14 @@ class RankStarterTemplate:
                 [sys.executable, "-I", _RANK_ZYGOTE, "--template", str(self.listener.fileno())],
                 pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, close_fds=True, env=dict(_STARTER_ENV))
+        # the template's alone now: once it is gone, a connection is refused at once (a copy
+        # kept here would queue it, and each sandbox would wait 60 s for an answer)
+        self.listener.close()
 
     def close(self):
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
-        self.listener.close()
         import shutil
         shutil.rmtree(self.folder, ignore_errors=True)
 
