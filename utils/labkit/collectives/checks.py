@@ -234,59 +234,21 @@ def routing_table(case, P, pattern="random"):
 _CHAPTER_7_EXCHANGE = ("exchange_counts", "all_to_all")   # labkit.moe.ep: chapter 7's dispatch
 
 
-def _refuse_chapter_7(*_args, **_kwargs):
-    raise RuntimeError("lab 1, task 3 asks for this exchange written with torch.distributed "
-                       "(the counts, then one all_to_all_single with split sizes); "
-                       "labkit.moe.ep.exchange_counts and labkit.moe.ep.all_to_all are chapter "
-                       "7's finished version of it and cannot be used here")
-
-
-def _uses(fn, targets) -> bool:
-    """Whether fn, or a function among its globals or closure (one level down), holds one of
-    `targets` by name (`from labkit.moe.ep import all_to_all` puts the object itself there)."""
-    seen, todo = set(), [fn]
-    for depth in range(2):
-        found = []
-        for f in todo:
-            code = getattr(f, "__code__", None)
-            if code is None or id(f) in seen:
-                continue
-            seen.add(id(f))
-            names = dict(getattr(f, "__globals__", {}))
-            names.update({n: c.cell_contents for n, c in zip(code.co_freevars, f.__closure__ or ())
-                          if _filled(c)})
-            values = [names[n] for n in code.co_names + code.co_freevars if n in names]
-            if any(any(v is t for t in targets) for v in values):
-                return True
-            found += [v for v in values if callable(v)]
-        todo = found
-    return False
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
+_REFUSED = ("lab 1, task 3 asks for this exchange written with torch.distributed (the counts, "
+            "then one all_to_all_single with split sizes); labkit.moe.ep.exchange_counts and "
+            "labkit.moe.ep.all_to_all are chapter 7's finished version of it and cannot be used "
+            "here")
 
 
 def _rows_program(share, fn):
     """On a rank: hand this rank's rows and destinations to fn; return what arrived. Chapter 7's
-    dispatch helpers are refused for the call, by name and by attribute (a clear error, not a
-    score for the task's work done by labkit)."""
+    dispatch helpers are refused for the call, by name and by attribute (labkit.refusal: a clear
+    error, not a score for the task's work done by labkit)."""
+    from labkit import refusal
     from labkit.moe import ep
     rows, dest = share
-    real = {name: getattr(ep, name) for name in _CHAPTER_7_EXCHANGE}
-    if _uses(fn, list(real.values())):
-        _refuse_chapter_7()
-    for name in real:
-        setattr(ep, name, _refuse_chapter_7)
-    try:
+    with refusal.refused(fn, ep, _CHAPTER_7_EXCHANGE, _REFUSED):
         return fn(rows.clone(), dest.clone())
-    finally:
-        for name, value in real.items():
-            setattr(ep, name, value)
 
 
 def check_uneven_all_to_all(world, fn, hidden=64, dtype="float32", pattern="random", timeout=20):
