@@ -21,16 +21,16 @@ process itself dies (`crash.install`) and the world restarts. A loader is `load(
 A kill plan is `kill_plan(victims, rng) -> [(victim, plan), ...]`, one trial each: victims maps
 each victim (role, rank) that a clean save ran to (its file-system calls, its seconds; a rank
 process of `real_ranks` reports 0 seconds), plan is a `crash` plan. It is called on every rank
-with the same seed, so every rank holds the same list. The truth
-is worked out without the save's code: shard r of step s holds `payload(s, r, size)`, and a
-snapshot is complete when its manifest exists and every shard is exact (`complete`).
+with the same seed, so every rank holds the same list. The truth is worked out without the save's
+code: shard r of step s holds `payload(s, r, size)`, and a snapshot is complete when its manifest
+exists and every shard is exact (`complete`).
 
 A record (`distributed`, per trial and rank): the victim, its number of events in the clean run
-(a writer that creates the step's folder also fsyncs the root: whichever rank gets there first, so
-a drawn call can lie past the calls a save made and the victim finishes), whether a timer was
-drawn, its status ("ok", "killed", ..., or "not reached" when it never ran, e.g. a committer after a
-writer died), where it was killed (`(k, "before"|"after", call name)` or "timer"), the step
-loaded afterwards, the newest complete step and whether the load was torn.
+(a writer that creates the step's folder also fsyncs the root, and which rank gets there first
+varies, so a call of the plan can lie past the calls a save made: the victim then finishes),
+whether a timer was drawn, its status ("ok", "killed", ..., or "not reached" when it never ran,
+e.g. a committer after a writer died), where it was killed (`(k, "before"|"after", call name)` or
+"timer"), the step loaded afterwards, the newest complete step and whether the load was torn.
 """
 import collections
 import contextlib
