@@ -411,6 +411,126 @@ def test_sequence_parallel_layernorm_gradients_need_the_reduction_over_tp(world4
         torch.testing.assert_close(full, due[r], rtol=1e-12, atol=1e-12)
 
 
+# ---- sequence parallelism in the 3D step (issue 29), the step against the model -----------------
+
+def _sp_step(dims, seed, sequence_parallel=True, sum_partial=True, T=12, m=2):
+    """One step of the chapter's GPT on a dp x pp x tp mesh with `tensor_parallel(...,
+    sequence_parallel=...)`: the loss on the last stage, the local gradients (the LayerNorms'
+    Partial(sum) gradients summed over tp first when sum_partial), and each gradient's placement."""
+    from torch.distributed.tensor import DTensor, Replicate
+    dp, pp, tp = dims
+    device_mesh = mesh.device_mesh(dims)
+    pp_rank = device_mesh.get_local_rank("pp")
+    stage = mesh.Stage(mesh.make_model(seed), pp_rank, pp)
+    mesh.tensor_parallel(stage, device_mesh["tp"], sequence_parallel=sequence_parallel)
+    tokens, targets = mesh.batches(seed=3, steps=1, dp=dp, m=m, T=T)
+    d = device_mesh.get_local_rank("dp")
+    tokens, targets = tokens[0, d], targets[0, d]                         # [m, b, T]
+    b = tokens.shape[1]
+    between = (b, T // tp if sequence_parallel else T, mesh.model.HIDDEN)
+    result = pipeline.run_actions(pipeline.torch_schedule("1F1B", pp, m)[pp_rank], stage, between,
+                                  tokens if pp_rank == 0 else None,
+                                  targets if pp_rank == pp - 1 else None,
+                                  group=device_mesh.get_group("pp"))
+    placements = {}
+    for name, p in stage.named():
+        placements[name] = repr(p.grad.placements[0]) if isinstance(p.grad, DTensor) else "plain"
+        if sum_partial and isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial():
+            p.grad = p.grad.redistribute(placements=[Replicate()])
+    grads = {name: mesh.local(p.grad).detach().clone() for name, p in stage.named()}
+    return result["loss"], grads, placements
+
+
+def _replica_mean(results, dims, index=1):
+    """{(name, tp rank): the mean over the dp replicas of that tp rank's tensor}."""
+    acc = {}
+    for r, result in enumerate(results):
+        t = mesh.coordinates(r, *dims)["tp"]
+        for name, g in result[index].items():
+            acc.setdefault((name, t), []).append(g)
+    return {key: sum(v) / len(v) for key, v in acc.items()}
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_3d_step_equals_one_process_and_needs_the_tp_sum(world4):
+    """tp_plan(sequence_parallel=True) in the 3D step, t = 2 and 4, with dp and with pp: the loss
+    and every gradient equal one process's (float64, 1e-10); the LayerNorms' gradients come back
+    Partial(sum), and without their sum over tp they (and only they) are wrong."""
+    for dims in ((2, 1, 2), (1, 2, 2), (1, 1, 4)):
+        tokens, targets = mesh.batches(seed=3, steps=1, dp=dims[0], m=2, T=12)
+        model = mesh.make_model(0)
+        loss = mesh.model.step_loss(model, tokens[0], targets[0])
+        loss.backward()
+        due = {n: p.grad for n, p in model.named_parameters()}
+        right = world4.run(_sp_step, dims, 0)
+        losses = [r[0] for r in right if r[0] is not None]
+        assert len(losses) == dims[0] * dims[2]
+        assert sum(losses) / len(losses) == pytest.approx(loss.item(), rel=1e-12)
+        for (name, t), got in _replica_mean(right, dims).items():
+            torch.testing.assert_close(got, mesh.local_shard(name, due[name], t, dims[2]),
+                                       rtol=1e-10, atol=1e-12, msg=f"{dims} {name} tp rank {t}")
+        partial = {n for r in right for n, kind in r[2].items() if kind == "Partial(sum)"}
+        assert partial and all(n.split(".")[-2] in ("ln1", "ln2", "norm") for n in partial)
+        wrong = _replica_mean(world4.run(_sp_step, dims, 0, True, False), dims)
+        for (name, t), got in wrong.items():
+            gap = (got - mesh.local_shard(name, due[name], t, dims[2])).abs().max().item()
+            if name in partial:
+                assert gap > 1e-3, f"{dims} {name}: a partial sum should differ"
+            else:
+                assert gap < 1e-12, f"{dims} {name}"
+
+
+def test_sequence_parallel_flag_leaves_the_plan_as_it_was():
+    """tp_plan() is what lab 6 relies on: the same styles with and without the keyword's default."""
+    plain, sp = mesh.tp_plan(), mesh.tp_plan(sequence_parallel=True)
+    assert set(plain) == {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2", "attn", "mlp"}
+    assert set(sp) == set(plain) | {"ln1", "ln2"}
+    assert repr(mesh.tp_plan(False)) == repr(plain)
+
+
+def test_step_flops_are_what_torch_counts():
+    """timing.stage_flops against torch.utils.flop_counter on one process: a whole stage (t = 1,
+    head included) and one tp rank's plain share of a block (heads/t, F/t)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from labkit.mesh import timing
+    b, T = 2, 6
+    stage = mesh.Stage(mesh.make_model(0), 1, 2)                 # blocks 2-3, norm, head
+    x = torch.randn(b, T, mesh.model.HIDDEN, dtype=torch.float64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        stage(x).sum().backward()
+    assert counter.get_total_flops() == timing.stage_flops(b, T, 2, 1, last=True)
+    for tp in (2, 3, 4):
+        block = tpk.Block(mesh.model.HIDDEN, mesh.model.HEADS // tp, mesh.model.HEAD_DIM,
+                          mesh.model.FFN // tp).double()
+        with FlopCounterMode(display=False) as counter:
+            block(x).sum().backward()
+        assert counter.get_total_flops() == timing.stage_flops(b, T, 1, tp, last=False)
+
+
+def test_saved_bytes_counts_dtensor_shards_and_plain_tensors_alike():
+    from labkit.tensor_parallel import measure
+    from labkit.mesh import timing
+    block = tpk.make_block(0)
+    x = torch.randn(2, 8, tpk.HIDDEN, dtype=torch.float64, requires_grad=True)
+    assert timing.saved_bytes(lambda: block(x), exclude=block.parameters()) == \
+        measure.saved_activation_bytes(lambda: block(x), exclude=block.parameters())
+
+
+def test_predicted_step_is_section_4s_sum_of_parts():
+    from labkit.mesh import timing
+    counts = timing.step_counts((2, 2, 2), 2, 6, 4)
+    assert counts["tp"]["calls"] == 4 * 2 * 4 and counts["pp_messages"]["calls"] == 8
+    rates = {"flops_per_s": 1e9, "block_flops_per_s": 1e8,
+             "tp": {"alpha": 1e-3, "bw": 1e8}, "pp": {"alpha": 2e-3, "bw": 1e9}}
+    parts = timing.predict_step(counts, rates)
+    n = 2 * 6 * mesh.model.HIDDEN * 8
+    assert parts["compute"] == counts["flops"] / 1e9
+    assert parts["bubble"] == pytest.approx(parts["compute"] / 4)
+    assert parts["tp"] == pytest.approx(32 * (1e-3 + n / 1e8))          # 2(t-1)/t = 1 at t = 2
+    assert parts["pp"] == pytest.approx(8 * (2e-3 + n / 1e9))
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+
+
 def _clipped_norm_on_zero1(dims, seed, max_norm, mistake=None):
     """One SGD step of the chapter's GPT on a dp x pp x tp mesh, clipped on ZeRO-1's shards (tp
     shards once, replicated parameters on tp rank 0, everything summed over the world)."""
@@ -769,123 +889,3 @@ def test_sequence_parallel_in_the_model_same_tp_bytes_twice_the_collectives_acti
         whole = cost.memory(model, config, 32, recompute="full")["activations"]
         split = cost.memory(model, config, 32, recompute="full", sequence_parallel=True)["activations"]
         assert whole == pytest.approx(t * split)
-
-
-# ---- sequence parallelism in the 3D step (issue 29), the step against the model -----------------
-
-def _sp_step(dims, seed, sequence_parallel=True, sum_partial=True, T=12, m=2):
-    """One step of the chapter's GPT on a dp x pp x tp mesh with `tensor_parallel(...,
-    sequence_parallel=...)`: the loss on the last stage, the local gradients (the LayerNorms'
-    Partial(sum) gradients summed over tp first when sum_partial), and each gradient's placement."""
-    from torch.distributed.tensor import DTensor, Replicate
-    dp, pp, tp = dims
-    device_mesh = mesh.device_mesh(dims)
-    pp_rank = device_mesh.get_local_rank("pp")
-    stage = mesh.Stage(mesh.make_model(seed), pp_rank, pp)
-    mesh.tensor_parallel(stage, device_mesh["tp"], sequence_parallel=sequence_parallel)
-    tokens, targets = mesh.batches(seed=3, steps=1, dp=dp, m=m, T=T)
-    d = device_mesh.get_local_rank("dp")
-    tokens, targets = tokens[0, d], targets[0, d]                         # [m, b, T]
-    b = tokens.shape[1]
-    between = (b, T // tp if sequence_parallel else T, mesh.model.HIDDEN)
-    result = pipeline.run_actions(pipeline.torch_schedule("1F1B", pp, m)[pp_rank], stage, between,
-                                  tokens if pp_rank == 0 else None,
-                                  targets if pp_rank == pp - 1 else None,
-                                  group=device_mesh.get_group("pp"))
-    placements = {}
-    for name, p in stage.named():
-        placements[name] = repr(p.grad.placements[0]) if isinstance(p.grad, DTensor) else "plain"
-        if sum_partial and isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial():
-            p.grad = p.grad.redistribute(placements=[Replicate()])
-    grads = {name: mesh.local(p.grad).detach().clone() for name, p in stage.named()}
-    return result["loss"], grads, placements
-
-
-def _replica_mean(results, dims, index=1):
-    """{(name, tp rank): the mean over the dp replicas of that tp rank's tensor}."""
-    acc = {}
-    for r, result in enumerate(results):
-        t = mesh.coordinates(r, *dims)["tp"]
-        for name, g in result[index].items():
-            acc.setdefault((name, t), []).append(g)
-    return {key: sum(v) / len(v) for key, v in acc.items()}
-
-
-@pytest.mark.timeout(300)
-def test_sequence_parallel_3d_step_equals_one_process_and_needs_the_tp_sum(world4):
-    """tp_plan(sequence_parallel=True) in the 3D step, t = 2 and 4, with dp and with pp: the loss
-    and every gradient equal one process's (float64, 1e-10); the LayerNorms' gradients come back
-    Partial(sum), and without their sum over tp they (and only they) are wrong."""
-    for dims in ((2, 1, 2), (1, 2, 2), (1, 1, 4)):
-        tokens, targets = mesh.batches(seed=3, steps=1, dp=dims[0], m=2, T=12)
-        model = mesh.make_model(0)
-        loss = mesh.model.step_loss(model, tokens[0], targets[0])
-        loss.backward()
-        due = {n: p.grad for n, p in model.named_parameters()}
-        right = world4.run(_sp_step, dims, 0)
-        losses = [r[0] for r in right if r[0] is not None]
-        assert len(losses) == dims[0] * dims[2]
-        assert sum(losses) / len(losses) == pytest.approx(loss.item(), rel=1e-12)
-        for (name, t), got in _replica_mean(right, dims).items():
-            torch.testing.assert_close(got, mesh.local_shard(name, due[name], t, dims[2]),
-                                       rtol=1e-10, atol=1e-12, msg=f"{dims} {name} tp rank {t}")
-        partial = {n for r in right for n, kind in r[2].items() if kind == "Partial(sum)"}
-        assert partial and all(n.split(".")[-2] in ("ln1", "ln2", "norm") for n in partial)
-        wrong = _replica_mean(world4.run(_sp_step, dims, 0, True, False), dims)
-        for (name, t), got in wrong.items():
-            gap = (got - mesh.local_shard(name, due[name], t, dims[2])).abs().max().item()
-            if name in partial:
-                assert gap > 1e-3, f"{dims} {name}: a partial sum should differ"
-            else:
-                assert gap < 1e-12, f"{dims} {name}"
-
-
-def test_sequence_parallel_flag_leaves_the_plan_as_it_was():
-    """tp_plan() is what lab 6 relies on: the same styles with and without the keyword's default."""
-    plain, sp = mesh.tp_plan(), mesh.tp_plan(sequence_parallel=True)
-    assert set(plain) == {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2", "attn", "mlp"}
-    assert set(sp) == set(plain) | {"ln1", "ln2"}
-    assert repr(mesh.tp_plan(False)) == repr(plain)
-
-
-def test_step_flops_are_what_torch_counts():
-    """timing.stage_flops against torch.utils.flop_counter on one process: a whole stage (t = 1,
-    head included) and one tp rank's plain share of a block (heads/t, F/t)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from labkit.mesh import timing
-    b, T = 2, 6
-    stage = mesh.Stage(mesh.make_model(0), 1, 2)                 # blocks 2-3, norm, head
-    x = torch.randn(b, T, mesh.model.HIDDEN, dtype=torch.float64, requires_grad=True)
-    with FlopCounterMode(display=False) as counter:
-        stage(x).sum().backward()
-    assert counter.get_total_flops() == timing.stage_flops(b, T, 2, 1, last=True)
-    for tp in (2, 3, 4):
-        block = tpk.Block(mesh.model.HIDDEN, mesh.model.HEADS // tp, mesh.model.HEAD_DIM,
-                          mesh.model.FFN // tp).double()
-        with FlopCounterMode(display=False) as counter:
-            block(x).sum().backward()
-        assert counter.get_total_flops() == timing.stage_flops(b, T, 1, tp, last=False)
-
-
-def test_saved_bytes_counts_dtensor_shards_and_plain_tensors_alike():
-    from labkit.tensor_parallel import measure
-    from labkit.mesh import timing
-    block = tpk.make_block(0)
-    x = torch.randn(2, 8, tpk.HIDDEN, dtype=torch.float64, requires_grad=True)
-    assert timing.saved_bytes(lambda: block(x), exclude=block.parameters()) == \
-        measure.saved_activation_bytes(lambda: block(x), exclude=block.parameters())
-
-
-def test_predicted_step_is_section_4s_sum_of_parts():
-    from labkit.mesh import timing
-    counts = timing.step_counts((2, 2, 2), 2, 6, 4)
-    assert counts["tp"]["calls"] == 4 * 2 * 4 and counts["pp_messages"]["calls"] == 8
-    rates = {"flops_per_s": 1e9, "block_flops_per_s": 1e8,
-             "tp": {"alpha": 1e-3, "bw": 1e8}, "pp": {"alpha": 2e-3, "bw": 1e9}}
-    parts = timing.predict_step(counts, rates)
-    n = 2 * 6 * mesh.model.HIDDEN * 8
-    assert parts["compute"] == counts["flops"] / 1e9
-    assert parts["bubble"] == pytest.approx(parts["compute"] / 4)
-    assert parts["tp"] == pytest.approx(32 * (1e-3 + n / 1e8))          # 2(t-1)/t = 1 at t = 2
-    assert parts["pp"] == pytest.approx(8 * (2e-3 + n / 1e9))
-    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))

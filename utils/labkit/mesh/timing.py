@@ -13,19 +13,20 @@ The model is section 4's, with this machine's rates in place of a datasheet's:
 
 F_rank: the matrix-product FLOPs of the busiest stage's rank (`stage_flops`); P: FLOP/s of
 torch.mm on the step's own shapes, timed on every rank at once (the ranks share the machine as
-they do in the step), or of a plain block of those shapes run forward and backward (P x eff); alpha and bw: a fit of t(n) = alpha + n / bw to an all-reduce over a tp
-group, timed with every group busy at once (tp) and to one message between pipeline neighbours
-(pp). Nothing overlaps, as in section 4. Under NCCL the same code times the GPUs (it
+they do in the step), or P x eff: the same FLOPs over the time of a plain block of those shapes
+run forward and backward; alpha and bw: a fit of t(n) = alpha + n / bw to an all-reduce over a
+tp group, timed with every group busy at once (tp), and to one message between pipeline
+neighbours (pp). Nothing overlaps, as in section 4. Under NCCL the same code times the GPUs (it
 synchronises the device around each timed loop); on gloo it times CPU processes.
 
-What the model leaves out is what a tiny step on a shared CPU spends most of its time on: every
-op that is not a matrix product (LayerNorm, softmax, GELU, the optimizer), Python and DTensor's
-dispatch, autograd's bookkeeping, and eight processes taking turns on the cores. It predicts
-too little here; section 4's GPU figures are the regime where the matrix products dominate.
+What the model leaves out is what a tiny step on a shared CPU spends most of its time on:
+DTensor's dispatch (placements worked out in Python for every op on a sharded tensor), the
+optimizer and ZeRO-1's flat buffer, the pipeline executor's bookkeeping, and eight processes
+taking turns on the cores. It predicts too little here; section 4's GPU figures are the regime
+where the matrix products dominate.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
