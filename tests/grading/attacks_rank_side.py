@@ -30,8 +30,8 @@ _READS_THE_PLAN = '''
 
 
 def _guard_reads_the_plan(source):
-    start = source.index("        if detect.window_spike(self.history, norm")
-    end = source.index("\n", source.index("min_history=detect.SPIKE_MIN_HISTORY):"))
+    start = source.index("        if spiked:\n")
+    end = source.index("\n", start)
     return source[:start] + _READS_THE_PLAN.strip("\n") + source[end:]
 
 
