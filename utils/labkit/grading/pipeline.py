@@ -69,8 +69,19 @@ class GradingStopped(BaseException):
 
     def __init__(self, signum: int, what: str = ""):
         self.signum, self.what = signum, what
+        self.phases, self._mark = [], time.monotonic()    # the stop's steps, timed (phase())
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name}" + (f": {what}" if what else ""))
+
+
+def _stop_phase(name: str) -> None:
+    """In a `finally` of the stop path: how long its step took, kept on the GradingStopped in
+    flight (if one is) for the stop line."""
+    stop = sys.exc_info()[1]
+    if isinstance(stop, GradingStopped):
+        now = time.monotonic()
+        stop.phases.append(f"{name} {now - stop._mark:.1f} s")
+        stop._mark = now
 
 
 class IsolationUnavailable(RuntimeError):
@@ -424,7 +435,7 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> dict:
                                     "labkit.grading.worker", "labkit.checks"])
     _short_multiprocessing_tempdir()
     pending, running, free_slots = list(jobs), {}, list(range(parallel))
-    killed = {}
+    killed, stopped = {}, False
     stopping = {signal.SIGTERM, signal.SIGINT}
     try:
         while pending or running:
@@ -457,6 +468,7 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> dict:
                      f"({', '.join(job['student'] for job, _ in running.values()) or '-'}), "
                      f"{len(pending)} submission(s) not started, "
                      f"{len(jobs) - len(pending) - len(running)} executed")
+        stopped = True
         raise
     finally:
         for process in running:
@@ -464,7 +476,31 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> dict:
                 process.kill()
         for process in running:
             process.join()
+        _stop_phase("workers")
+        if stopped:
+            _kill_forkserver()
+            _stop_phase("forkserver")
     return killed
+
+
+def _kill_forkserver() -> None:
+    """On a stop (SIGTERM, SIGINT), the workers' forkserver is SIGKILLed, not asked to leave.
+    Asked (its pipe closed, as multiprocessing does when this process exits), it runs a whole
+    interpreter's finalization with torch and nbgrader imported, about a CPU-second, and holds
+    the grader's stdout meanwhile: 3-51 s of wall time after the grader itself had exited, at
+    load 10-30 on 2 cores (tests/stress/stress_sigterm.py), a time that grows with the load. It
+    runs no student code and keeps nothing worth saving; a later grade() in this process starts
+    a new one (multiprocessing's ForkServer.ensure_running sees it gone)."""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is None:
+            return
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server._stop_unlocked()          # closes its pipe, reaps it, removes its socket
 
 
 def _block(signals: set):
@@ -532,7 +568,8 @@ def grade(lab: str, submissions_dir: str, jobs: int | None = None, out: str | No
         except GradingStopped as stop:
             log(f"labkit grade {lab}: stopped by {signal.Signals(stop.signum).name}: "
                 f"{stop.what or 'no grading process was running (gradebook build or bookkeeping)'}"
-                "; no process, sandbox or cgroup of this run is left; grades.csv not written")
+                "; no process, sandbox or cgroup of this run is left; grades.csv not written"
+                + (f" (stop took {', '.join(stop.phases)})" if stop.phases else ""))
             raise
 
 
@@ -642,10 +679,13 @@ def _grade(lab, submissions_dir, jobs, out, course, db_url, time_limit, cell_tim
                     job["limits"]["kernel_template"] = kernels.path
             killed = _run_workers(job_list, jobs, time_limit, log)
     finally:
+        _stop_phase("templates")
         # the workers are gone (_run_workers waited for them); what they left: first every
         # process in the run's cgroups (dying with them), then their folders
         _remove_cgroups(run_id)
+        _stop_phase("cgroups")
         shutil.rmtree(sandbox_base, ignore_errors=True)
+        _stop_phase("folders")
     executed = time.monotonic()
 
     config.InjectVerdicts.nonces = nonces
