@@ -119,8 +119,38 @@ def lease_slot() -> tuple[int, int]:
         except OSError:
             os.close(fd)
             continue
+        if not _slot_emptied(slot):
+            os.close(fd)
+            continue
         return slot, fd
     raise RuntimeError(f"all {MAX_SLOTS} grading slots of this machine are in use")
+
+
+def _slot_emptied(slot: int, timeout: float = 10.0) -> bool:
+    """Once its lock is ours: no process of the slot's users (its kernel user's and its ranks')
+    is left. A lock is released when its holder's descriptor closes, and a grading worker that
+    is killed (a stopped run, a worker past its limit) closes it as it dies, while its kernel and
+    ranks are still dying after it (PR_SET_PDEATHSIG, then the PID namespace's end): so a slot
+    can be leased again while a process of the last holder lives, and a new submission's kernel
+    would share a uid with it (issue 25, seen under load with a second run grading). Whatever
+    runs as those users now is a previous holder's: SIGKILLed, and waited for until gone.
+    False (the caller tries the next slot) if it is not gone within `timeout` seconds."""
+    from labkit.grading.ranks import slot_uids
+    uids = set(slot_uids(slot))
+    try:
+        uids.add(pwd.getpwnam(f"labkit-grade{slot}").pw_uid)
+    except KeyError:
+        pass                                  # no kernel user yet (ensure_user makes it)
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [int(entry) for entry in os.listdir("/proc")
+                if entry.isdigit() and _owner(entry) in uids and not _zombie(entry)]
+        if not pids:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        _sigkill(pids, lambda pid: _owner(pid) in uids)
+        time.sleep(0.05)
 
 
 def slot_lock_folder() -> str:
@@ -546,6 +576,15 @@ def _empty_and_remove(path):
             return
         except OSError:
             time.sleep(0.05)
+
+
+def _zombie(pid) -> bool:
+    """A process that has exited and waits to be reaped (it runs nothing any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _owner(pid):
