@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -200,6 +201,37 @@ def test_the_graders_references_are_not_in_a_forked_kernel(tmp_path, template):
         assert answer == [[], False, []], answer
     finally:
         box.close()
+
+
+def test_no_sandbox_spec_is_left_in_a_forked_kernels_memory(tmp_path, template):
+    """The fork read its sandbox's spec (host paths of the root, the references, the cgroups);
+    execve would have dropped it, so the kernel empties it: no object the kernel can reach holds
+    the references' host path or the spec's keys."""
+    [references] = hidden_paths()
+    box = _box(tmp_path / "run", template.path)
+    try:
+        code = ("import gc, json\n"
+                "spec = [o for o in gc.get_objects() if type(o) is dict and 'cgroups' in o "
+                "and 'hidden' in o]\n"
+                f"named = [o for o in gc.get_objects() if type(o) is list and {references!r} in o]\n"
+                "print(json.dumps([len(spec), len(named)]))")
+        answer = _printed(box, code)
+        assert answer == [0, 0], f"spec dicts reachable in the kernel: {answer}"
+    finally:
+        box.close()
+
+
+def test_a_template_that_cannot_start_leaves_nothing(monkeypatch):
+    import glob
+    import subprocess
+    def folders():
+        return {f for d in {tempfile.gettempdir(), "/tmp"}
+                for f in glob.glob(os.path.join(d, "labkit-kernels-*"))}
+    before = folders()
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        KernelTemplate()
+    assert folders() == before
 
 
 def _gone(pids, uid, timeout=15.0):

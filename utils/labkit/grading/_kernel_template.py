@@ -126,11 +126,14 @@ def _as_launched(spec):
 def run_kernel(spec):
     """The kernel's process (pid 2 of the sandbox): `_nsinit.run_kernel`, without the execve."""
     _nsinit.become_kernel_user(spec)
+    _close_inherited()
     # setuid() left the process not dumpable; execve would have made it dumpable again, and a
     # fork the kernel starts could not be seen in the sandbox's /proc (hidepid) without it
     _proc.check(_proc.libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
-    _close_inherited()
     _as_launched(spec)
+    # the spec (the sandbox's host paths, cgroups, the references' host path) is referenced by
+    # the frames below this one, which never return: empty it, as execve would have dropped it
+    spec.clear()
     from ipykernel import kernelapp
     code = 0
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,15 +41,20 @@ class KernelTemplate:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         self.listener.listen(64)
-        with open(self.log_path, "wb") as log:
-            # the kernel's own interpreter flags and variables (kernel_env), so what an import
-            # reads from them at start is what the kernel would read; not -I, whose flag the
-            # kernel would inherit (and multiprocessing would pass on to its children)
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "labkit.grading._kernel_template",
-                 str(self.listener.fileno())],
-                pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, close_fds=True, cwd=home, env=kernel_env(home))
+        try:
+            with open(self.log_path, "wb") as log:
+                # the kernel's own interpreter flags and variables (kernel_env), so what an
+                # import reads from them at start is what the kernel would read; not -I, whose
+                # flag the kernel would inherit (and multiprocessing would pass on to children)
+                self.popen = subprocess.Popen(
+                    [sys.executable, "-m", "labkit.grading._kernel_template",
+                     str(self.listener.fileno())],
+                    pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, close_fds=True, cwd=home, env=kernel_env(home))
+        except BaseException:
+            self.listener.close()                      # nothing of a template that never ran
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         # the template's alone now: once it is gone, a connection is refused at once (a copy
         # kept here would queue it, and each sandbox would wait its whole startup timeout)
         self.listener_inode = os.fstat(self.listener.fileno()).st_ino
@@ -90,10 +96,16 @@ class ForkedKernel:
         self._buffer = b""
 
     def poll(self):
-        if self.returncode is None and self.pidfd is not None and \
-                select.select([self.pidfd], [], [], 0)[0]:
+        if self.returncode is None and self.pidfd is not None and self._readable(0):
             self._ended()
         return self.returncode
+
+    def _readable(self, timeout) -> bool:
+        """Whether the starter has exited (its pidfd readable) within `timeout` s (None: wait).
+        poll(), not select(): a worker may hold more than 1024 descriptors."""
+        waiter = select.poll()
+        waiter.register(self.pidfd, select.POLLIN)
+        return bool(waiter.poll(None if timeout is None else int(timeout * 1000)))
 
     def _ended(self):
         """The starter exited: its last line says how process 1 ended (none: it was killed)."""
@@ -126,7 +138,7 @@ class ForkedKernel:
 
     def wait(self, timeout=None):
         if self.returncode is None and self.pidfd is not None:
-            if not select.select([self.pidfd], [], [], timeout)[0]:
+            if not self._readable(timeout):
                 raise subprocess.TimeoutExpired("kernel starter", timeout)
             self._ended()
         return self.returncode
