@@ -175,6 +175,34 @@ def test_sigterm_stops_the_run_and_leaves_nothing(course, tmp_path):
         assert not os.path.exists(os.path.join(base, "labkit-grading", run_id)), base
 
 
+def test_a_slot_just_leased_has_no_process_of_its_last_holder():
+    """A slot's lock goes free when its holder dies, while that holder's kernel and ranks may
+    still be dying (issue 25): lease_slot empties the slot it just locked. Here a process of the
+    slot's kernel user and one of a rank uid are alive under the lock; _slot_emptied, the step
+    lease_slot takes once the lock is its own, leaves neither."""
+    import pwd
+    from labkit.grading.ranks import rank_uid
+    from labkit.grading.sandbox import _slot_emptied, ensure_user, lease_slot
+    slot, fd = lease_slot()
+    try:
+        kernel_uid, _ = ensure_user(slot)
+        assert pwd.getpwuid(kernel_uid).pw_name == f"labkit-grade{slot}"
+        leftovers = [subprocess.Popen(["sleep", "120"], user=uid, group=uid if uid != kernel_uid
+                                      else None) for uid in (kernel_uid, rank_uid(slot, 3))]
+        try:
+            started = time.monotonic()
+            assert _slot_emptied(slot)
+            assert [p.wait(timeout=10) for p in leftovers] == [-signal.SIGKILL] * 2
+            assert time.monotonic() - started < 10
+        finally:
+            for p in leftovers:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    finally:
+        os.close(fd)
+
+
 def test_without_the_sandbox_grading_is_refused_unless_asked(course, tmp_path):
     """Where the sandbox cannot be built, `labkit grade` refuses (exit 2), naming the flag."""
     subs = tmp_path / "subs"
