@@ -216,36 +216,23 @@ def serve(listener):
     import_kernel_code()
     sys.stdout.flush()
     sys.stderr.flush()
-    while True:
-        while True:                                       # reap the ended starters
+
+    def start(connection):
+        uid = _peer_uid(connection)
+        if uid != os.getuid():
+            _proc.say(f"labkit grading: refused a kernel request from uid {uid}, not the "
+                      f"grader's ({os.getuid()})")
+            return
+        if os.fork() == 0:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-        if not select.select([listener], [], [], 1.0)[0]:
-            continue
-        connection, _ = listener.accept()
-        try:
-            uid = _peer_uid(connection)
-            if uid != os.getuid():
-                _proc.say(f"labkit grading: refused a kernel request from uid {uid}, not the "
-                          f"grader's ({os.getuid()})")
-                continue
-            child = os.fork()
-            if child == 0:
-                try:
-                    listener.close()
-                    _starter(connection)
-                except BaseException as error:  # noqa: BLE001 (report, then leave)
-                    _proc.say(f"labkit grading: cannot start a sandbox's kernel: {error!r}")
-                finally:
-                    os._exit(114)               # never back into the template's loop
-        except Exception as error:  # noqa: BLE001 (one bad request must not stop the template)
-            _proc.say(f"labkit grading: a kernel request failed: {error!r}")
-        finally:
-            connection.close()
+                listener.close()
+                _starter(connection)
+            except BaseException as error:  # noqa: BLE001 (report, then leave)
+                _proc.say(f"labkit grading: cannot start a sandbox's kernel: {error!r}")
+            finally:
+                os._exit(114)                   # never back into the template's loop
+
+    _proc.serve_connections(listener, start, "a kernel request")
 
 
 def main():

@@ -62,3 +62,27 @@ def join_cgroups(procs_files):
     for procs in procs_files:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
+
+
+def serve_connections(listener, handle, what):
+    """A template's loop (grading/_rank_zygote.py, _kernel_template.py): reap the starters that
+    ended, accept the next connection on `listener`, `handle(connection)` it, close it. One bad
+    request is reported (`what` names it) and never stops the loop."""
+    import select
+    while True:
+        while True:                                       # reap the ended starters
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        connection, _ = listener.accept()
+        try:
+            handle(connection)
+        except Exception as error:  # noqa: BLE001 (one bad request must not stop the template)
+            say(f"labkit grading: {what} failed: {error!r}")
+        finally:
+            connection.close()

@@ -173,23 +173,8 @@ def _template(listener):
     worker gets its pid with a pidfd. This process never enters a sandbox and runs no code of a
     submission; what its forks inherit is the rank code and nothing else."""
     _import_rank_code()
-    while True:
-        while True:                                       # reap the ended starters
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-        if not select.select([listener], [], [], 1.0)[0]:
-            continue
-        connection, _ = listener.accept()
-        try:
-            _start_starter(listener, connection)
-        except Exception as error:  # noqa: BLE001 (one bad request must not stop the run's starter)
-            _proc.say(f"labkit grading: a rank starter request failed: {error!r}")
-        finally:
-            connection.close()
+    _proc.serve_connections(listener, lambda connection: _start_starter(listener, connection),
+                            "a rank starter request")
 
 
 def _start_starter(listener, connection):

@@ -24,10 +24,12 @@ import subprocess
 import sys
 import tempfile
 
+from labkit.grading.ranks import TemplateProcess
+
 _LABKIT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class KernelTemplate:
+class KernelTemplate(TemplateProcess):
     """The template process of a run; `path` is what Limits(kernel_template=...) takes."""
 
     def __init__(self):
@@ -68,21 +70,11 @@ class KernelTemplate:
             return ""
 
     def close(self):
-        if self.popen.poll() is None:
-            self.popen.kill()
-        else:               # it ended on its own: every kernel since was started the old way
+        if self.popen.poll() is not None:   # it ended on its own: kernels since started the old way
             print(f"labkit grade: the run's kernel template exited ({self.popen.returncode}); "
                   f"kernels were started with unshare instead: {self.log_tail()}",
                   file=sys.stderr)
-        self.popen.wait()
-        import shutil
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        self.close()
+        super().close()
 
 
 class ForkedKernel:

@@ -170,7 +170,28 @@ _STARTER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
 # one thread: after entering a PID namespace a process can start no thread
 
 
-class RankStarterTemplate:
+class TemplateProcess:
+    """What the run's two templates share (RankStarterTemplate here, kernel_template's
+    KernelTemplate): `popen` (the template process) and `folder` (its socket and log), ended by
+    close() or the with-block."""
+
+    def close(self):
+        """Kill the template (its forks serve on until their sandboxes end) and remove its
+        folder."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        import shutil
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+
+class RankStarterTemplate(TemplateProcess):
     """One process per `labkit grade` run that imports torch and the rank code once and forks
     each sandbox's rank starter (grading/_rank_zygote.py's `_template`): a submission's starter
     is then ready in milliseconds instead of the 3-5 CPU-seconds of an interpreter importing
@@ -193,19 +214,6 @@ class RankStarterTemplate:
         # the template's alone now: once it is gone, a connection is refused at once (a copy
         # kept here would queue it, and each sandbox would wait 60 s for an answer)
         self.listener.close()
-
-    def close(self):
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
-        import shutil
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        self.close()
 
 
 class Zygote:
