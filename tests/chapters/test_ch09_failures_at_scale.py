@@ -316,10 +316,11 @@ def _above(history, value, factor):
 
 
 class _FiresOnNoise(REF["SpikeGuard"]):
-    """The window rule with a factor of 1.5: hard batches (~1.5-2.3x) set it off."""
+    """The window rule with a factor of 1.2: hard batches set it off (every one of 40 clean
+    streams of 30 steps has a step at 1.26x or more after step 10; 1.5x only 25 of 40)."""
 
     def after_step(self, step, batch_id, stats):
-        if _above(self.history, stats["grad_norm"], 1.5):
+        if _above(self.history, stats["grad_norm"], 1.2):
             self.quarantined.add(batch_id)
             back, state, history = self.good
             spikes.restore(self.model, self.optimizer, state)
@@ -339,17 +340,23 @@ class _SkipsWithoutRestore(REF["SpikeGuard"]):
         return None
 
 
+@pytest.mark.timeout(600)
 def test_spike_guard_reference_and_the_named_wrong_guards():
     world = labkit.world(2, backend="gloo", teaching=False)
-    got = checks.check_guard_spike(world, REF["SpikeGuard"], bad=2, snapshot_every=3, seed=21)
+    got = checks.check_guard_spike(world, REF["SpikeGuard"], steps=30, bad=2, snapshot_every=3,
+                                   seed=21)
     assert all(len(r["rollbacks"]) == 2 for r in got)
     checks.check_guard_clean(world, REF["SpikeGuard"], snapshot_every=7, seed=22)
     with pytest.raises(AssertionError, match="caught 0 of 2 streams with bad batches"):
         checks.check_guard_spike(world, _NeverFires, seed=23)
-    with pytest.raises(AssertionError, match="fired on 2 of 2 clean streams"):
-        checks.check_guard_clean(world, _FiresOnNoise, seed=24)
-    with pytest.raises(AssertionError, match="final weights differ"):
-        checks.check_guard_spike(world, _SkipsWithoutRestore, seed=25)
+    # a guard that quarantines hard batches fires on both clean streams (or, quarantining one
+    # batch after another, runs out of them)
+    with pytest.raises(Exception, match="fired on 2 of 2 clean streams|the stream ran out"):
+        checks.check_guard_clean(world, _FiresOnNoise, spiked=0, seed=24)
+    # the damaged weights make later steps spike too: they are quarantined until the stream
+    # runs out, or the weights end far from the reference
+    with pytest.raises(Exception, match="final weights differ|the stream ran out"):
+        checks.check_guard_spike(world, _SkipsWithoutRestore, streams=1, seed=25)
 
 
 def test_guarded_train_rejects_a_bad_resume_step_and_snapshots_restore_adamw_exactly():

@@ -93,16 +93,26 @@ def tally(runs, verdicts) -> dict:
     misses, false = [], []
     for run, got in zip(runs, verdicts):
         copies = got if isinstance(got, list) else [(got, run["expected"])]
-        for answer, expected in copies:
+        for i, (answer, expected) in enumerate(copies):
             if any(expected[k] is not None and answer[k] != expected[k] for k in KEYS):
-                misses.append((run, answer))
+                misses.append((_as_renamed(run, i, expected), answer))
                 break
-        for answer, expected in copies:
+        for i, (answer, expected) in enumerate(copies):
             if any(expected[k] is None and answer[k] is not None for k in KEYS):
-                false.append((run, answer))
+                false.append((_as_renamed(run, i, expected), answer))
                 break
     return {"misses": misses, "false_alarms": false, "runs": len(runs),
             "faulty": sum(run["kind"] != "healthy" for run in runs)}
+
+
+def _as_renamed(run, i, expected):
+    """The run as a failure names it: copy i > 0 is the trace renamed (`renamed`)."""
+    if i == 0:
+        return run
+    fault = ", ".join(f"{'expert' if k == 'hot_expert' else 'rank'} {v}"
+                      for k, v in expected.items() if v is not None)
+    return dict(run, what=f"{run['what']}; the trace renamed by {i}, so that the fault is "
+                          f"{fault}'s")
 
 
 def renamed(run, trace, size):
@@ -220,7 +230,7 @@ def check_no_alarm(world, diagnose, runs=3, steps=6, hiccups=3, seed=None):
     return verdicts[:runs]
 
 
-def check_straggler(world, diagnose, runs=2, healthy=1, steps=6, delay=(0.12, 0.15), seed=None):
+def check_straggler(world, diagnose, runs=2, healthy=1, steps=6, delay=(0.13, 0.15), seed=None):
     """`runs` runs where one rank sleeps a time drawn from `delay` (stratified) before its
     collective in every step from a step in the first third on, the slow rank running through
     every rank; `healthy` runs beside them. Expected: that rank, nothing else. (No pauses in

@@ -48,8 +48,14 @@ def stream_plan(case, steps, bad_count, snapshot_every=None, earliest=15, early=
     while i < steps + STREAM_EXTRA + 2:
         hard.append(i)
         i += case.integer(5, 9)
-    bad = []
+    bad, tries = [], 0
     while len(bad) < bad_count:
+        tries += 1
+        if tries % 50 == 0:                 # no room for the next one beside these: start over
+            bad = []
+        if tries > 5000:
+            raise ValueError(f"{bad_count} bad batches from step {earliest} do not fit in "
+                             f"{steps} steps (a snapshot every {snapshot_every}): give more steps")
         b = case.integer(earliest, steps - 8)
         if early and not bad:
             b = case.integer(earliest, earliest + 4)
