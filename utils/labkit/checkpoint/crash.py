@@ -22,6 +22,8 @@ event k: the DCP trials of the course).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import signal
@@ -247,3 +249,27 @@ def random_plan(rng, n_events: int, timer_seconds: float | None = None,
 
 def now() -> float:
     return time.perf_counter()
+
+
+class RestartCount:
+    """labkit's "restarting the world" lines, counted instead of printed: each `with
+    count.quiet():` block (a call that may kill a rank) adds the restarts it printed to
+    `count.restarts` and passes every other line it printed through."""
+
+    LINE = "labkit: restarting the world"
+
+    def __init__(self):
+        self.restarts = 0
+
+    @contextlib.contextmanager
+    def quiet(self):
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(said):
+                yield
+        finally:
+            for line in said.getvalue().splitlines():
+                if line.startswith(self.LINE):
+                    self.restarts += 1
+                else:
+                    print(line)

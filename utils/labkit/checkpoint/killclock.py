@@ -21,8 +21,6 @@ finished before its failure. Daly's T(tau) with R = 0 is its expectation.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import os
 import signal
@@ -121,35 +119,28 @@ def run_job(world, root: str, work: int, tau: int, C: float, M: float, seed: int
     step read from the store before it started: what the ranks loaded), "restarts"}. labkit's
     "restarting the world" line, printed once per kill, is counted instead of printed."""
     import labkit
-    from labkit.checkpoint import store
+    from labkit.checkpoint import crash, store
     _check(work, tau, C)
     horizon = 20.0 * (work + C * math.ceil(work / tau)) + 10 * M
     clock_times = failure_times(M, horizon, seed)
-    start, resumed, struck, restarts = 0.0, [], [], 0
+    start, resumed, struck, count = 0.0, [], [], crash.RestartCount()
     for failure in clock_times:
         found = store.load_latest(root)
         step = 0 if found is None else found["metadata"]["step"]
         if struck:
             resumed.append(step)
-        said = io.StringIO()
         try:
-            with contextlib.redirect_stdout(said):
+            with count.quiet():
                 result = world.call(attempt, (root, work, tau, C, start, failure), timeout=timeout)
         except labkit.RankDied:
             struck.append(failure)
             start = failure                                 # R = 0: the next attempt starts now
             continue
-        finally:
-            for line in said.getvalue().splitlines():
-                if line.startswith("labkit: restarting the world"):
-                    restarts += 1
-                else:
-                    print(line)
         if any(r["resumed_from"] != step for r in result):
             raise RuntimeError(f"the ranks resumed from {[r['resumed_from'] for r in result]}, "
                                f"the store's newest verified snapshot is step {step}")
         return {"wall": result[0]["wall"], "failures": struck, "resumed_from": resumed,
-                "restarts": restarts}
+                "restarts": count.restarts}
     raise RuntimeError(f"the job did not finish before {len(clock_times)} failures (M={M} too "
                        f"small for work={work}, tau={tau}, C={C}?)")
 

@@ -33,8 +33,6 @@ e.g. a committer after a writer died), where it was killed (`(k, "before"|"after
 "timer"), the step loaded afterwards, the newest complete step and whether the load was torn.
 """
 import collections
-import contextlib
-import io
 import os
 import random
 import tempfile
@@ -199,31 +197,23 @@ def real_ranks(world, save, load, root, steps, size, kill_plan, seed=0, timeout=
     victims = {}
     for part in world.call(_count_events, (save, root, 0), timeout=timeout):
         victims.update(part)
-    rng, rows, restarts = random.Random(seed), [], 0
+    rng, rows, count = random.Random(seed), [], crash.RestartCount()
     plans = [(victim, plan) for victim, plan in kill_plan(victims, rng)
              if "kill_after_seconds" not in plan]
     for step, ((_, victim), plan) in enumerate(rng.sample(plans, min(steps, len(plans))), 1):
-        said = io.StringIO()
         try:
-            with contextlib.redirect_stdout(said):
+            with count.quiet():
                 world.call(_save_or_die, (save, root, step, victim, plan), timeout=timeout)
             outcome = "no kill (the save had fewer calls)"
         except labkit.RankDied as died:
             outcome = f"rank {died.rank} killed"
-        finally:
-            for line in said.getvalue().splitlines():
-                if line.startswith("labkit: restarting the world"):
-                    restarts += 1
-                else:
-                    print(line)
         found = load(root, world.size)
         newest = max(s for s in range(step + 1) if complete(root, s, world.size, size))
         rows.append((step, outcome, None if found is None else found[0], newest,
                      torn(found, world.size, size)))
-    with contextlib.redirect_stdout(io.StringIO()) as said:
+    with count.quiet():
         world.call(len, ((),))                          # the last kill's restart, counted too
-    restarts += said.getvalue().count("labkit: restarting the world")
-    return rows, restarts
+    return rows, count.restarts
 
 
 # ---- the table --------------------------------------------------------------------------------
