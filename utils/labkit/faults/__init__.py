@@ -12,7 +12,7 @@
 | `spikes` | the loss-spike bench (extreme tokens), training with defences, the loop that hosts lab 9's guard | 5; lab 9 |
 | `gpu` | NCCL's debug output, the watchdog and the flight recorder on GPU runners; Xid codes | 6 |
 | `selfcheck` | the chapter's check-yourself questions: answered first, judged here | 3, 4 |
-| `checks`, `checks_resume` | lab 9's checkers | lab 9 |
+| `checks`, `checks_guard`, `checks_resume`, `rates` | lab 9's checkers: fresh traces and streams recorded on ranks, the student's rule judged by its measured miss and false-alarm rates | lab 9 |
 
 Chapter 8's pieces are imported, never copied: `labkit.checkpoint.store` (publication,
 load_latest), `resume` (capture and strict restore), `bench` (the trainer). What is not here: the
@@ -20,7 +20,7 @@ diagnoser, the spike guard with rollback and the resume validator (lab 9, tasks 
 """
 
 _SUBMODULES = ("detect", "traces", "hang", "elastic", "spikes", "matrix", "gpu", "checks",
-               "checks_resume", "selfcheck")
+               "checks_guard", "checks_resume", "rates", "selfcheck")
 
 
 def __getattr__(name):
