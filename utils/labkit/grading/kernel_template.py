@@ -52,7 +52,8 @@ class KernelTemplate(TemplateProcess):
                     [sys.executable, "-m", "labkit.grading._kernel_template",
                      str(self.listener.fileno())],
                     pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, close_fds=True, cwd=home, env=kernel_env(home))
+                    stderr=subprocess.STDOUT, close_fds=True, cwd=home, env=kernel_env(home),
+                    start_new_session=True)               # its forks in its group: close()
         except BaseException:
             self.listener.close()                      # nothing of a template that never ran
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -170,17 +170,44 @@ _STARTER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
 # one thread: after entering a PID namespace a process can start no thread
 
 
+def _group_alive(group: int) -> bool:
+    """Whether a process of process group `group` is alive (a zombie is not: only its parent's
+    wait is left, and the subreaper or init that adopted it does that)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == group:
+            return True
+    return False
+
+
 class TemplateProcess:
     """What the run's two templates share (RankStarterTemplate here, kernel_template's
     KernelTemplate): `popen` (the template process) and `folder` (its socket and log), ended by
     close() or the with-block."""
 
-    def close(self):
-        """Kill the template (its forks serve on until their sandboxes end) and remove its
-        folder."""
+    def close(self, timeout: float = 10.0):
+        """Kill the template and its forks (one starter per sandbox, root, on the host), wait
+        until none of them is alive, and remove its folder. The template runs in a process group
+        of its own (start_new_session), which its forks share: they would die with it anyway
+        (PR_SET_DEATHSIG), but a moment later, and the grader must not leave while a root process
+        of its run is still dying (test_grade_run's SIGTERM test found one in state R)."""
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
+        group = self.popen.pid
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass                                          # no fork of the template is left
+        deadline = time.monotonic() + timeout
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.01)
         import shutil
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -210,7 +237,8 @@ class RankStarterTemplate(TemplateProcess):
             self.popen = subprocess.Popen(
                 [sys.executable, "-I", _RANK_ZYGOTE, "--template", str(self.listener.fileno())],
                 pass_fds=[self.listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, close_fds=True, env=dict(_STARTER_ENV))
+                stderr=subprocess.STDOUT, close_fds=True, env=dict(_STARTER_ENV),
+                start_new_session=True)                   # its forks in its group: close()
         # the template's alone now: once it is gone, a connection is refused at once (a copy
         # kept here would queue it, and each sandbox would wait 60 s for an answer)
         self.listener.close()
