@@ -135,7 +135,12 @@ def widget_responds(nb, index: int) -> list[str]:
             f"cell {index}: the widget's {watched} did not change after input")
         time.sleep(0.1)
     nb.wait_kernel_idle(15)
-    time.sleep(0.5)                                   # the last update's outputs paint
+    # the last update's outputs paint after the kernel is idle, and an output area cleared for
+    # its new figure is empty for a moment: a lost image is one that has not come back in 5 s
+    # (one look 0.5 s after idle saw 0 images, and the message built just after it saw 1)
+    deadline = time.monotonic() + 5
+    while images() < images_before and time.monotonic() < deadline:
+        time.sleep(0.1)
     problems = []
     if images() < images_before:
         text = view.locator(watched).first.inner_text()[:120]
