@@ -73,8 +73,10 @@ def test_a_submission_that_cannot_be_graded_fails_the_run(course, tmp_path):
 
 def _proc_stat(pid):
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return {"ppid": int(fields[1]), "state": fields[0], "start": int(fields[19])}
+        comm, fields = f.read().rsplit(")", 1)
+    fields = fields.split()
+    return {"ppid": int(fields[1]), "state": fields[0], "start": int(fields[19]),
+            "comm": comm.split("(", 1)[1]}
 
 
 def _processes():
@@ -109,6 +111,14 @@ def _grading_run_of(pid):
     return found[1] if found else ""
 
 
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return None
+
+
 def _children(processes):
     return {p for p, info in processes.items() if info["ppid"] == os.getpid()}
 
@@ -141,6 +151,9 @@ def test_sigterm_stops_the_run_and_leaves_nothing(course, tmp_path):
                 break
             time.sleep(0.2)
         assert sandbox_uids and run_dirs, f"no sandbox started: {run.communicate()[0]}"
+        processes = _processes()                    # who is who, for a diagnosis of what is left
+        tree = {p: dict(processes[p], cmd=_cmdline(p))
+                for p in _descendants(run.pid, processes) if p in processes}
         stopped_at = time.monotonic()
         run.send_signal(signal.SIGTERM)
         output = run.communicate(timeout=60)[0]
@@ -148,7 +161,9 @@ def test_sigterm_stops_the_run_and_leaves_nothing(course, tmp_path):
         with open("/proc/uptime") as f:             # boot time now, in clock ticks
             ended_ticks = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
         processes = _processes()
-        left = {p: info for p, info in processes.items()
+        left = {p: dict(info, cmd=_cmdline(p), was=tree.get(p),
+                        parent_was=tree.get((tree.get(p) or {}).get("ppid")))
+                for p, info in processes.items()
                 if p in _children(processes) - before and info["state"] != "Z"}
         run_id = os.path.basename(run_dirs[0])
         sandbox_left = {}
