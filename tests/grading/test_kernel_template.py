@@ -234,10 +234,19 @@ def test_a_template_that_cannot_start_leaves_nothing(monkeypatch):
     assert folders() == before
 
 
+def _alive(pid) -> bool:
+    """Whether `pid` runs (a zombie does not: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _gone(pids, uid, timeout=15.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not [p for p in pids if os.path.exists(f"/proc/{p}")] and not user_processes(uid):
+        if not [p for p in pids if _alive(p)] and not user_processes(uid):
             return True
         time.sleep(0.1)
     return False
@@ -337,3 +346,33 @@ def test_a_template_that_died_is_reported_and_kernels_start_the_old_way(tmp_path
         finally:
             box.close()
     assert "the run's kernel template exited" in capfd.readouterr().err
+
+
+def test_templates_that_die_mid_run_leave_the_sandboxes_in_flight_alone(tmp_path):
+    """The host's OOM killer or an operator kills the run's two templates while a submission
+    runs. Its kernel and its rank starter go on: they live as long as their worker's sockets,
+    not as long as the templates (before, they died a moment after them by PR_SET_PDEATHSIG, and
+    the submission was graded as if its code had crashed). Closing the sandbox leaves nothing."""
+    import torch.distributed as dist
+    from labkit.grading.ranks import RankStarterTemplate, SandboxWorld, Zygote
+    with KernelTemplate() as kernels, RankStarterTemplate() as starters:
+        box = _box(tmp_path / "run", kernels.path)
+        zygote = Zygote(box, box.private_dir(), template=starters.path)
+        try:
+            assert box.forked and zygote.forked, (box._log_tail(), zygote.log_tail())
+            first, uid = box.namespace_pid(), box.uid
+            for template in (kernels, starters):
+                template.popen.kill()
+                template.popen.wait()
+            time.sleep(1.0)             # a PR_SET_PDEATHSIG would have killed them by now
+            assert box.alive, box._log_tail()
+            assert _printed(box, "print(6 * 7)") == 42
+            world = SandboxWorld(2, box, timeout=30, zygote=zygote)
+            try:
+                assert world.run(lambda: dist.get_rank() + 10) == [10, 11]
+            finally:
+                world.close()
+        finally:
+            zygote.close()
+            box.close()
+        assert _gone([first, box.proc.pid], uid), user_processes(uid)

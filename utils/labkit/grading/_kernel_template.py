@@ -157,8 +157,11 @@ def _process_one(spec):
 
 
 def _starter(connection):
-    """The fork that plays unshare's part for one sandbox (see the module's docstring)."""
-    _proc.die_with_parent(leave_if_orphan=True)       # with the template, hence the grader
+    """The fork that plays unshare's part for one sandbox (see the module's docstring). It lives
+    as long as its worker's socket, not as long as the template: a template that dies mid-run
+    (the host's OOM killer, an operator) must not take the kernels in flight with it, which
+    would be recorded as the students' crashes. The run's end kills it with the template's
+    process group (TemplateProcess.close); a worker that dies closes the socket."""
     connection.settimeout(30.0)
     request, log = _read_request(connection)
     spec = request["spec"]
@@ -174,16 +177,18 @@ def _starter(connection):
     finally:
         os.close(own)
     _proc.check(_proc.libc.unshare(UNSHARE_FLAGS), "unshare")
+    starter = os.pidfd_open(os.getpid())
     first = os.fork()
     if first == 0:
         try:
             connection.close()
-            _proc.die_with_parent()                     # unshare's --kill-child
+            _proc.die_with_parent(parent_pidfd=starter)     # unshare's --kill-child
             _process_one(spec)
         except BaseException as error:  # noqa: BLE001 (report, then leave)
             _proc.say(f"labkit sandbox: cannot start the sandbox's first process: {error!r}")
         finally:
             os._exit(111)
+    os.close(starter)
     connection.settimeout(None)
     first_fd = os.pidfd_open(first)
     while True:

@@ -20,13 +20,25 @@ def check(result, what):
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def die_with_parent(leave_if_orphan=False):
+def die_with_parent(leave_if_orphan=False, parent_pidfd=None):
     """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG). The setting is cleared by a
     change of user, so a process that switches users calls this again afterwards.
-    leave_if_orphan: exit at once if the parent already died before the call took effect."""
+    leave_if_orphan: exit at once if the parent already died before the call took effect.
+    parent_pidfd: a pidfd of the parent, opened before the fork (closed here): exit at once if
+    it has exited by now. That tells a fork whose parent died between fork and prctl where
+    getppid() cannot: it reads 0 in a new PID namespace, and the subreaper's pid (not 1) under a
+    subreaper."""
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     if leave_if_orphan and os.getppid() == 1:
         os._exit(1)
+    if parent_pidfd is not None:
+        import select
+        waiter = select.poll()
+        waiter.register(parent_pidfd, select.POLLIN)
+        gone = bool(waiter.poll(0))
+        os.close(parent_pidfd)
+        if gone:
+            os._exit(1)
 
 
 def say(line):

@@ -206,7 +206,9 @@ def _start_starter(listener, connection):
             os.dup2(log, 1)
             os.dup2(log, 2)
             os.close(log)
-            _proc.die_with_parent(leave_if_orphan=True)
+            # no PR_SET_PDEATHSIG: it lives as long as its control socket (a template that dies
+            # mid-run must not take the ranks in flight with it); the run's end kills it with the
+            # template's process group (TemplateProcess.close)
             control = socket.socket(fileno=fds[0])
             _enter(request["spec"])
             _serve(request["spec"], control)
