@@ -16,6 +16,8 @@ BACKEND ?= auto
 SCALE   ?= small
 ONLY    ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (0: one process); tests/conftest.py says how they share it.
+TEST_WORKERS ?= 2
 LAB_ARGS ?=
 
 # nbgrader runs `alembic`, jupyter runs its helpers: the environment's bin/ comes first.
@@ -59,7 +61,7 @@ course: $(STAMP)
 test: $(STAMP)
 	@if [ -x .ci/install-browser ]; then .ci/install-browser; fi
 	@if [ -x .ci/install-postgres ]; then .ci/install-postgres; fi
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
+	@$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS); status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests: that is a failure" >&2; fi; \
 	  exit $$status
 

@@ -1,6 +1,8 @@
 """The whole suite: what each test folder costs, printed at the end of every run (the budget is
-25 minutes on the 2-core machine; CI's limit is 90)."""
+25 minutes on the 2-core machine; CI's limit is 90), and how `make test` shares the tests between
+its pytest-xdist workers."""
 import collections
+import os
 import signal
 import time
 
@@ -17,6 +19,71 @@ def _folder(nodeid: str) -> str:
 
 def pytest_runtest_logreport(report):
     _FOLDERS[_folder(report.nodeid)] += report.duration
+    _GROUP_SECONDS[group_of(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remember each group's seconds for the next run's order (groups this run did not take
+    keep what an earlier run measured)."""
+    config = session.config
+    if config.cache is None or os.environ.get("PYTEST_XDIST_WORKER") or not _GROUP_SECONDS:
+        return
+    known = config.cache.get(_CACHE_KEY, {})
+    known.update({group: round(seconds, 1) for group, seconds in _GROUP_SECONDS.items()})
+    config.cache.set(_CACHE_KEY, known)
+
+
+# -- sharing the suite between workers (`make test` runs `pytest -n 2 --dist loadgroup`) ----------
+# The suite spends about half its time waiting (a kernel starting, a rank's timeout, a sandbox
+# being built), so two workers on 2 cores finish it in well under the serial time. What a worker
+# takes is a whole group: one test file, whose module fixtures (a course built once, a class
+# graded once) then run once; and every file that shares a session fixture goes as one group
+# (one JupyterLab server for the browser tests; one class graded one at a time for
+# test_class_scale and test_parallel). Groups start longest first, by the seconds each took in
+# this checkout's last run (.pytest_cache) or, on a fresh clone, by LONGEST_FIRST, so that no long
+# file starts last while the other worker idles.
+SHARED_SESSION = {"tests/browser": "tests/browser",
+                  "tests/grading/test_class_scale.py": "grading-fixture-class",
+                  "tests/grading/test_parallel.py": "grading-fixture-class"}
+LONGEST_FIRST = ["tests/test_build.py", "tests/browser", "grading-fixture-class",
+                 "tests/grading/test_labs.py", "tests/chapters/test_ch09_failures_at_scale.py",
+                 "tests/grading/test_attacks.py", "tests/grading/test_regrade.py",
+                 "tests/chapters/test_ch08_checkpoints.py", "tests/grading/test_feedback.py",
+                 "tests/chapters/test_ch06_3d_parallelism.py"]
+_GROUP_SECONDS = collections.defaultdict(float)
+_CACHE_KEY = "labkit/seconds-per-group"
+
+
+def group_of(nodeid: str) -> str:
+    """The work unit a test goes in: its shared-session group, else its file."""
+    path = nodeid.split("::")[0]
+    for prefix, group in SHARED_SESSION.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return group
+    return path
+
+
+def _distributed(config) -> bool:
+    return getattr(config.option, "dist", "no") == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    if not _distributed(config):
+        return
+    known = config.cache.get(_CACHE_KEY, {}) if config.cache is not None else {}
+    rank = {group: len(LONGEST_FIRST) - i for i, group in enumerate(LONGEST_FIRST)}
+
+    def cost(group):            # seconds last time; else the fixed order, ahead of the unknown
+        return (known.get(group, 0.0), rank.get(group, 0))
+
+    position = {}
+    for i, item in enumerate(items):
+        group = group_of(item.nodeid)
+        position.setdefault(group, i)
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (tuple(-c for c in cost(group_of(item.nodeid))),
+                                 position[group_of(item.nodeid)]))
 
 
 def pytest_terminal_summary(terminalreporter):
