@@ -61,7 +61,7 @@ course: $(STAMP)
 test: $(STAMP)
 	@if [ -x .ci/install-browser ]; then .ci/install-browser; fi
 	@if [ -x .ci/install-postgres ]; then .ci/install-postgres; fi
-	@$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS); status=$$?; \
+	@$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS); status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests: that is a failure" >&2; fi; \
 	  exit $$status
 

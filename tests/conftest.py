@@ -33,7 +33,7 @@ def pytest_sessionfinish(session, exitstatus):
     config.cache.set(_CACHE_KEY, known)
 
 
-# -- sharing the suite between workers (`make test` runs `pytest -n 2 --dist loadgroup`) ----------
+# -- sharing the suite between workers (`make test` runs `pytest -n 2 --dist loadscope`) ----------
 # The suite spends about half its time waiting (a kernel starting, a rank's timeout, a sandbox
 # being built), so two workers on 2 cores finish it in well under the serial time. What a worker
 # takes is a whole group: one test file, whose module fixtures (a course built once, a class
@@ -42,11 +42,15 @@ def pytest_sessionfinish(session, exitstatus):
 # test_class_scale and test_parallel). Groups start longest first, by the seconds each took in
 # this checkout's last run (.pytest_cache) or, on a fresh clone, by LONGEST_FIRST, so that no long
 # file starts last while the other worker idles.
+# The groups are given to xdist through its scheduler hook, not `xdist_group` marks: with pytest
+# 9.2 `--dist loadgroup` silently stops grouping (xdist 3.8 appends the group to `item._nodeid`,
+# which pytest no longer reads: pytest-xdist issue #1386), and the browser tests then started
+# two JupyterLab servers and the course was built twice, once on each worker.
 SHARED_SESSION = {"tests/browser": "tests/browser",
                   "tests/grading/test_class_scale.py": "grading-fixture-class",
                   "tests/grading/test_parallel.py": "grading-fixture-class"}
-LONGEST_FIRST = ["tests/test_build.py", "tests/browser", "grading-fixture-class",
-                 "tests/grading/test_labs.py", "tests/chapters/test_ch09_failures_at_scale.py",
+LONGEST_FIRST = ["tests/grading/test_labs.py", "tests/test_build.py", "tests/browser",
+                 "grading-fixture-class", "tests/chapters/test_ch09_failures_at_scale.py",
                  "tests/grading/test_attacks.py", "tests/grading/test_regrade.py",
                  "tests/chapters/test_ch08_checkpoints.py", "tests/grading/test_feedback.py",
                  "tests/chapters/test_ch06_3d_parallelism.py"]
@@ -63,27 +67,38 @@ def group_of(nodeid: str) -> str:
     return path
 
 
-def _distributed(config) -> bool:
-    return getattr(config.option, "dist", "no") == "loadgroup"
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` with this suite's groups as the scopes, in collection order (which
+    pytest_collection_modifyitems below makes longest first)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False      # keep the order the workers collected
+    return Groups(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    if not _distributed(config):
+    """In an xdist worker: the groups in the order they should start (every worker sorts the
+    same way, as xdist requires identical collections)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     known = config.cache.get(_CACHE_KEY, {}) if config.cache is not None else {}
     rank = {group: len(LONGEST_FIRST) - i for i, group in enumerate(LONGEST_FIRST)}
-
-    def cost(group):            # seconds last time; else the fixed order, ahead of the unknown
-        return (known.get(group, 0.0), rank.get(group, 0))
-
     position = {}
     for i, item in enumerate(items):
+        position.setdefault(group_of(item.nodeid), i)
+
+    def key(item):              # seconds last time; else the fixed order, ahead of the unknown
         group = group_of(item.nodeid)
-        position.setdefault(group, i)
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: (tuple(-c for c in cost(group_of(item.nodeid))),
-                                 position[group_of(item.nodeid)]))
+        return (-known.get(group, 0.0), -rank.get(group, 0), position[group])
+
+    items.sort(key=key)
 
 
 def pytest_terminal_summary(terminalreporter):
