@@ -33,9 +33,9 @@ def pytest_sessionfinish(session, exitstatus):
     config.cache.set(_CACHE_KEY, known)
 
 
-# -- sharing the suite between workers (`make test` runs `pytest -n 2 --dist loadscope`) ----------
-# The suite spends about half its time waiting (a kernel starting, a rank's timeout, a sandbox
-# being built), so two workers on 2 cores finish it in well under the serial time. What a worker
+# -- sharing the suite between workers (`make test TEST_WORKERS=2`: pytest -n 2 --dist loadscope) --
+# In one process the suite keeps about half of a 2-core machine idle (a kernel starting, a rank's
+# timeout, a sandbox being built); with cores to spare, workers finish it sooner. What a worker
 # takes is a whole group: one test file, whose module fixtures (a course built once, a class
 # graded once) then run once; and every file that shares a session fixture goes as one group
 # (one JupyterLab server for the browser tests; one class graded one at a time for
