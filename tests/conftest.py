@@ -1,6 +1,6 @@
 """The whole suite: what each test folder costs, printed at the end of every run (the budget is
-25 minutes on the 2-core machine; CI's limit is 90), and how `make test` shares the tests between
-its pytest-xdist workers."""
+25 minutes on the 2-core machine; CI's limit is 90), and how `make test TEST_WORKERS=2` shares
+the tests between two pytest-xdist workers."""
 import collections
 import os
 import signal
@@ -19,18 +19,6 @@ def _folder(nodeid: str) -> str:
 
 def pytest_runtest_logreport(report):
     _FOLDERS[_folder(report.nodeid)] += report.duration
-    _GROUP_SECONDS[group_of(report.nodeid)] += report.duration
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Remember each group's seconds for the next run's order (groups this run did not take
-    keep what an earlier run measured)."""
-    config = session.config
-    if config.cache is None or os.environ.get("PYTEST_XDIST_WORKER") or not _GROUP_SECONDS:
-        return
-    known = config.cache.get(_CACHE_KEY, {})
-    known.update({group: round(seconds, 1) for group, seconds in _GROUP_SECONDS.items()})
-    config.cache.set(_CACHE_KEY, known)
 
 
 # -- sharing the suite between workers (`make test TEST_WORKERS=2`: pytest -n 2 --dist loadscope) --
@@ -39,9 +27,8 @@ def pytest_sessionfinish(session, exitstatus):
 # takes is a whole group: one test file, whose module fixtures (a course built once, a class
 # graded once) then run once; and every file that shares a session fixture goes as one group
 # (one JupyterLab server for the browser tests; one class graded one at a time for
-# test_class_scale and test_parallel). Groups start longest first, by the seconds each took in
-# this checkout's last run (.pytest_cache) or, on a fresh clone, by LONGEST_FIRST, so that no long
-# file starts last while the other worker idles.
+# test_class_scale and test_parallel). The longest groups start first (LONGEST_FIRST, from the
+# one-process runs' durations), so that no long file starts last while the other worker idles.
 # The groups are given to xdist through its scheduler hook, not `xdist_group` marks: with pytest
 # 9.2 `--dist loadgroup` silently stops grouping (xdist 3.8 appends the group to `item._nodeid`,
 # which pytest no longer reads: pytest-xdist issue #1386), and the browser tests then started
@@ -54,8 +41,6 @@ LONGEST_FIRST = ["tests/grading/test_labs.py", "tests/test_build.py", "tests/bro
                  "tests/grading/test_attacks.py", "tests/grading/test_regrade.py",
                  "tests/chapters/test_ch08_checkpoints.py", "tests/grading/test_feedback.py",
                  "tests/chapters/test_ch06_3d_parallelism.py"]
-_GROUP_SECONDS = collections.defaultdict(float)
-_CACHE_KEY = "labkit/seconds-per-group"
 
 
 def group_of(nodeid: str) -> str:
@@ -88,15 +73,14 @@ def pytest_collection_modifyitems(session, config, items):
     same way, as xdist requires identical collections)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    known = config.cache.get(_CACHE_KEY, {}) if config.cache is not None else {}
-    rank = {group: len(LONGEST_FIRST) - i for i, group in enumerate(LONGEST_FIRST)}
+    first = {group: i for i, group in enumerate(LONGEST_FIRST)}
     position = {}
     for i, item in enumerate(items):
         position.setdefault(group_of(item.nodeid), i)
 
-    def key(item):              # seconds last time; else the fixed order, ahead of the unknown
+    def key(item):              # LONGEST_FIRST's groups in its order, then the rest as collected
         group = group_of(item.nodeid)
-        return (-known.get(group, 0.0), -rank.get(group, 0), position[group])
+        return (first.get(group, len(first)), position[group])
 
     items.sort(key=key)
 

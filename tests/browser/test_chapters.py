@@ -138,7 +138,7 @@ def widget_responds(nb, index: int) -> list[str]:
     # figure again; the kernel reads idle between two of them, and the last figure paints after
     # the last idle. So an image counts as lost only if the kernel is idle and the image is still
     # missing 30 s after the first change (the full suite's run on two workers saw a figure still
-    # missing 5 s after an idle: the next update was still queued, on a saturated machine).
+    # missing 5 s after an idle, on a saturated machine; most likely a later update still queued).
     nb.wait_kernel_idle(30)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
