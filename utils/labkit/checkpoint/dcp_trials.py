@@ -4,6 +4,8 @@
     status = dcp_trials.trial(stores, folder, step, victim=1, point="after its write", trial=3)
     steps = dcp_trials.load(folder)                     # on every rank: steps found, or one line
     dcp_trials.loaded(world.run(dcp_trials.load, folder))
+    runner = dcp_trials.Trials(world, stores, base)     # the same from the kernel, numbered
+    runner.trial(folder, step, victim, point); runner.load(folder); runner.refused
 
 Each rank's save runs in its own victim process (`crash.shared`, forked from a helper that has
 imported torch and DCP), with a process group of its own over a FileStore, so that a SIGKILL of
@@ -133,3 +135,29 @@ def loaded(per_rank):
     """What the ranks loaded together: an error name, or the sorted steps found on any rank."""
     errors = [r.split(": ")[1].split()[0] for r in per_rank if isinstance(r, str)]  # its name
     return errors[0] if errors else sorted({step for r in per_rank for step in r})
+
+
+class Trials:
+    """Section 3's trials driven from the kernel on `world`: every rank's helper started once,
+    each trial numbered (its own rendezvous file under `stores`), and each refused load kept as
+    one line (relative to `base`) in `refused`, for the summary under the table."""
+
+    def __init__(self, world, stores, base):
+        self.world, self.stores, self.base = world, stores, base
+        self.count, self.refused = 0, []
+        world.call(start_victims, timeout=300)        # every helper up before a rendezvous
+
+    def trial(self, folder, step, victim_rank, point, commit_root=None):
+        """One save of `step` into `folder` on every rank, rank `victim_rank` killed at `point`
+        (-1: nobody). Returns each rank's victim's status."""
+        self.count += 1
+        return self.world.run(trial, self.stores, folder, step, victim_rank, point, self.count,
+                              commit_root)
+
+    def load(self, folder):
+        """`load` on every rank; a refusal (the same on every rank) is kept in `refused`."""
+        out = self.world.run(load, folder)
+        lines = {line.split(": ", 1)[1] for line in out if isinstance(line, str)}
+        self.refused.extend(f"{os.path.relpath(folder, self.base)}: {line}"
+                            for line in sorted(lines))
+        return out

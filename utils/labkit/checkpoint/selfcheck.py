@@ -5,6 +5,7 @@ its question. None of them answers a graded task of lab 8.
     from labkit.checkpoint import selfcheck
     selfcheck.naive_torn(answer, measured)       # section 1: which kill points tear the naive save
     selfcheck.young_4096(tau_minutes)            # section 7: Young's tau* for 4,096 GPUs at 30 s
+    selfcheck.dcp_writers(answer, seen, plan)    # section 3: which rank writes each plain key
 """
 from __future__ import annotations
 
@@ -50,4 +51,33 @@ def young_4096(tau_minutes, stall_s: float = 30.0, gpus: int = 4096) -> bool:
            f"times fewer GPUs), tau* = sqrt(2 x {stall_s:g} s x M) = {truth:.0f} min")
     right = abs(tau_minutes - truth) <= 0.05 * truth
     print(("right: " if right else "not quite: ") + how)
+    return right
+
+
+def dcp_writers(answer: str, seen: dict, plan: list) -> bool:
+    """Section 3: which rank's file holds each plain key of the quiz's state dict. `seen`: DCP's
+    `.metadata` read back ({(key, offsets): rank}, `dcp_files.writers`), `plan`: the first rank's
+    save plan in the walk's order ([(key or (key, offsets), bytes)]). Prints the verdict and, once
+    an answer is given, the walk with the bytes planned on each rank after every item; returns
+    whether the answer is right."""
+    plain = [item for item, _ in plan if not isinstance(item, tuple)]
+    truth = "".join(str(seen[(key, (0,))]) for key in plain)
+    if not answer:
+        print(f"put the {len(plain)} ranks in `answer` first (e.g. \"0101\"), then run the cell "
+              "again")
+        return False
+    right = answer == truth
+    print("right" if right else f"not quite: .metadata says {truth}, you said {answer}")
+    planned, steps = [0] * (1 + max(seen.values())), []
+    for item, size in plan:
+        key = item if isinstance(item, tuple) else (item, (0,))
+        planned[seen[key]] += size
+        name = f"{item[0]}[{item[1][0]}:]" if isinstance(item, tuple) else item
+        steps.append(f"{name} -> {seen[key]} {planned}")
+    print("the walk, with the planned bytes after each item: " + "; ".join(steps))
+    sharded = [item for item, _ in plan if isinstance(item, tuple)]
+    for key, offsets in sharded:
+        print(f"{key}[{offsets[0]}:] counts all of {key} on the rank that meets it first, though "
+              f"that rank holds only its own shard; the other shards of {key} are met later, in "
+              "the other ranks' plans, after the first rank's whole plan")
     return right

@@ -9,6 +9,7 @@ kill at a point, restart, check what survived, count.
                                                1))                           # s. 2, on the ranks
     rows = trials.phase_table(per_rank)
     rows, restarts = trials.real_ranks(world, distributed_save, load, root, 4, SIZE, kill_plan, 3)
+    trials.commit_race(victims, store.commit, base=WORK, races=20)   # s. 1: {winners: races}
 
 A save under test is `save(root, step, ranks)` in section 1 (one process plays every rank) and
 `save(run, root, step)` on the ranks in section 2, where `run(role, fn, *args)` does a role's file
@@ -264,3 +265,26 @@ def phase_table(per_rank):
         row[1] += record["torn"]
         row[2] += record["loaded"] == record["newest_complete"]
     return dict(rows)
+
+
+def commit_race(victims, commit, base, races=20, size=64):
+    """Two committers of one snapshot id, each paused right before it publishes (the worst
+    interleaving: both have already found the id free), then both released, `races` times.
+    `commit(root, sid, shards, metadata)` is `store.commit` or a variant under test; `victims` a
+    `crash.Victims`, which pauses a call at `pause_before_dst` (its publication's target).
+    Returns {number of committers that returned without an error: races}."""
+    from labkit import checkpoint
+    from labkit.checkpoint import store
+    winners = collections.Counter()
+    for i in range(races):
+        root = tempfile.mkdtemp(dir=base)
+        sid = checkpoint.snapshot_id(i)
+        shards = [store.write_shard(root, sid, "rank0.bin", payload(i, 0, size))]
+        target = checkpoint.manifest_path(root, sid)
+        jobs = [(commit, (root, sid, shards, {"committer": who}), {"pause_before_dst": target})
+                for who in ("A", "B")]
+        out = victims.run_group(jobs, [("start", 0), ("until_paused", 0), ("start", 1),
+                                       ("until_paused", 1), ("release", 0), ("release", 1),
+                                       ("finish", 0), ("finish", 1)])
+        winners[sum(o["status"] == "ok" for o in out)] += 1
+    return dict(winners)
