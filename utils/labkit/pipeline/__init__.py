@@ -19,7 +19,8 @@ microbatches, the single-process reference), `executor.py` (run_actions: one pie
 F/B/I/W with point-to-point messages, a virtual clock, activation bytes; pipeline_step(s) for the
 bench), `torch_runs.py` (torch.distributed.pipelining's schedules on the same bench; the saved-activation
 peak of torch's 1F1B and interleaved 1F1B), `plots.py`
-(timelines; the measured bubble), `checks.py` (lab 5's checkers).
+(timelines; the measured bubble), `checks.py` (lab 5's checkers), `selfcheck.py` (the
+chapter's check-yourself questions: answered first, judged here).
 
 Not here (lab 5): ZB-H2 (zero bubble with about twice 1F1B's activations), the deadlock cycle
 finder, an executor for v chunks per rank,
