@@ -80,17 +80,6 @@ def test_a_timing_check_outside_its_band_is_recorded_and_never_raises():
     assert formulas.check("old spelling", 1, 9, timing=True).kind == "timing"
 
 
-def _send_one_message(n_bytes):
-    """Rank 0 sends one float32 tensor of n_bytes to rank 1."""
-    import torch
-    import torch.distributed as dist
-    x = torch.zeros(n_bytes // 4)
-    if dist.get_rank() == 0:
-        dist.send(x, 1)
-    else:
-        dist.recv(x, 0)
-
-
 @pytest.mark.timeout(120)
 def test_gloo_framing_bytes_are_what_the_os_counts():
     """labkit.collectives.GLOO_FRAMING_BYTES re-measured: bytes the kernel counts for a gloo
@@ -99,12 +88,10 @@ def test_gloo_framing_bytes_are_what_the_os_counts():
     from labkit import collectives
     world = labkit.world(2, backend="gloo", teaching=False)
     try:
-        world.run(_send_one_message, 1024)                   # connections made, first-call costs paid
-        for n_bytes in (4096, 1 << 20):
-            with world.traffic() as traffic:
-                world.run(_send_one_message, n_bytes)
-            assert traffic.sent[0] - n_bytes == collectives.GLOO_HEADER_BYTES, traffic.table()
-            assert traffic.sent[1] == collectives.GLOO_NOTICE_BYTES, traffic.table()
+        for n_bytes, messages in ((4096, 1), (1 << 20, 1), (4096, 10)):
+            framing = collectives.measure_gloo_framing(world, n_bytes, messages)
+            assert framing["header"] == collectives.GLOO_HEADER_BYTES, framing["traffic"].table()
+            assert framing["notice"] == collectives.GLOO_NOTICE_BYTES, framing["traffic"].table()
         assert collectives.GLOO_FRAMING_BYTES == (collectives.GLOO_HEADER_BYTES
                                                   + collectives.GLOO_NOTICE_BYTES)
     finally:

@@ -691,7 +691,8 @@ def test_hsdp_wire_formula_on_a_bigger_mesh():
 
 
 def test_gloo_framing_figures_in_the_prose_are_labkits_constant():
-    """Issue 28: one framing figure across chapters 3-5, the constant's (ch. 1 measures it)."""
+    """Issue 28: one framing figure across chapters 3-5, the constant's (ch. 1, section 4, measures
+    it with collectives.measure_gloo_framing and checks it against the constant)."""
     import json
     import re
     from labkit.collectives import GLOO_HEADER_BYTES, GLOO_NOTICE_BYTES
@@ -702,3 +703,5 @@ def test_gloo_framing_figures_in_the_prose_are_labkits_constant():
     found = [(int(n), " ".join(what.split())) for n, what in framing.findall(text)]
     assert found and all(allowed[what] == n for n, what in found), found
     assert "160 bytes per message" not in text
+    chapter1 = (ROOT / "course" / "01_collectives.ipynb").read_text()
+    assert "collectives.measure_gloo_framing(" in chapter1 and "gloo frames each message with GLOO_FRAMING_BYTES" in chapter1

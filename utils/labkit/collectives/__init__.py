@@ -38,10 +38,41 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broa
 # 4 KiB and 1 MiB, 1 and 10 messages alike: a 96-byte header travels with every message and the
 # receiver answers each with a 48-byte notice. A collective in which every rank sends and
 # receives k messages therefore counts k x 144 bytes of framing per rank on top of its payload
-# (a 2-rank gloo all_reduce: 4 messages, 576 B). tests/test_formulas.py re-measures all three.
+# (a 2-rank gloo all_reduce: 4 messages, 576 B). measure_gloo_framing below re-measures all three,
+# in chapter 1 (section 4) and tests/test_formulas.py.
 GLOO_HEADER_BYTES = 96      # on the sender's socket, per message
 GLOO_NOTICE_BYTES = 48      # on the receiver's socket, per message received
 GLOO_FRAMING_BYTES = GLOO_HEADER_BYTES + GLOO_NOTICE_BYTES   # per message sent and one received
+
+
+def send_messages(n_bytes, messages=1):
+    """Run on every rank: rank 0 dist.send()s `messages` float32 tensors of n_bytes each to rank 1,
+    which dist.recv()s them; other ranks do nothing. The probe behind `measure_gloo_framing`."""
+    import torch
+    import torch.distributed as dist
+    x = torch.zeros(n_bytes // 4)
+    for _ in range(messages):
+        if dist.get_rank() == 0:
+            dist.send(x, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(x, 0)
+
+
+def measure_gloo_framing(world, n_bytes, messages=1):
+    """gloo's framing per message, counted by the kernel's socket counters (`world.traffic()`).
+
+    world: gloo ranks with teaching mode off (its checks send messages of their own). One message
+    of 1 KiB first makes the connection and pays first-call costs; then rank 0 sends `messages`
+    messages of n_bytes to rank 1 inside `world.traffic()`. Returns {"header": (sent[0] -
+    messages * n_bytes) / messages, "notice": sent[1] / messages, "framing": their sum, "traffic":
+    the counts}: bytes per message, which GLOO_HEADER_BYTES, GLOO_NOTICE_BYTES and
+    GLOO_FRAMING_BYTES state. Used by chapter 1 (section 4) and tests/test_formulas.py."""
+    world.run(send_messages, 1024)
+    with world.traffic() as traffic:
+        world.run(send_messages, n_bytes, messages)
+    header = (traffic.sent[0] - messages * n_bytes) / messages
+    notice = traffic.sent[1] / messages
+    return {"header": header, "notice": notice, "framing": header + notice, "traffic": traffic}
 
 
 def _check(n_bytes, world_size):
