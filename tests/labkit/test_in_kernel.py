@@ -12,11 +12,13 @@ pytestmark = pytest.mark.timeout(240)
 
 
 class Kernel:
-    def __init__(self, output="text"):
+    def __init__(self, output="text", **environ):
         """output: LABKIT_OUTPUT for the kernel ("text": labelled lines; "auto": the live view
-        in a frontend, which a kernel driven by jupyter_client counts as)."""
+        in a frontend, which a kernel driven by jupyter_client counts as). environ: more
+        variables for the kernel (TMPDIR, say)."""
         env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}  # grading
         env["LABKIT_OUTPUT"] = output   # tests earlier in the session may leave it behind
+        env.update(environ)
         self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
         self.displays = {}   # display_id -> latest text/plain
 
@@ -143,6 +145,39 @@ def test_kernel_restart_leaves_no_rank_behind(kernel):
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_kernel_asked_to_shut_down_closes_its_world_and_exits_by_itself(tmp_path):
+    """A shutdown_request (what JupyterLab's "Shut Down Kernel" and nbclient's graceful shutdown
+    send): the kernel closes its world, exits with status 0 well before jupyter_client would
+    SIGTERM it (half of its 5-s shutdown_wait_time), runs its atexit handlers, and leaves neither
+    a rank nor multiprocessing's temporary folder (pymp-*) in TMPDIR. Before labkit closed the
+    world in the kernel's do_shutdown, ipykernel spent 14 s SIGTERMing the resource tracker
+    (which ignores SIGTERM) and counting the dead forkserver, and the kernel was killed."""
+    kernel = Kernel(TMPDIR=str(tmp_path))
+    try:
+        marker = tmp_path / "atexit-ran"
+        _, _, error = kernel.run(
+            "import atexit, labkit, torch.distributed as dist\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+            "world = labkit.world(2, teaching=False)\n"
+            "assert world.run(dist.get_rank) == [0, 1]\n")
+        assert error is None, error
+        ranks = kernel.rank_pids()
+        assert len(ranks) == 2 and list(tmp_path.glob("pymp-*")), "the world made no forkserver"
+        process = kernel.manager.provisioner.process
+        started = time.monotonic()
+        kernel.client.shutdown()
+        code = process.wait(timeout=20)
+        seconds = time.monotonic() - started
+    finally:
+        kernel.stop()
+    assert code == 0, f"the kernel did not exit by itself: status {code} after {seconds:.1f} s"
+    assert seconds < 2.5, f"the kernel took {seconds:.1f} s (jupyter_client SIGTERMs at 2.5 s)"
+    assert marker.exists(), "the kernel's atexit handlers did not run"
+    assert not list(tmp_path.glob("pymp-*")), "multiprocessing's folder was left in TMPDIR"
+    assert not [p for p in ranks if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 

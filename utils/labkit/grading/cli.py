@@ -69,17 +69,12 @@ def run(args) -> int:
 
 
 def _stop_resource_tracker() -> None:
-    """Stop multiprocessing's resource tracker and wait for it. The workers' forkserver starts
-    one (a child of this process, root); left alone it sees its pipe close only when this process
-    has exited, and it exits a moment after, adopted by whoever reaps orphans: the process that
-    ran `labkit grade` when it is a subreaper (a batch system's shim, test_grade_run's SIGTERM
-    test: 6 of 40 rounds under load found it in state R). `_stop` closes the pipe and waits
-    (CPython's Lib/multiprocessing/resource_tracker.py); it is private, hence the guard. Only on
-    the way out: a tracker stopped in a process that goes on would clean up what it still uses."""
-    from multiprocessing import resource_tracker
-    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
-    if stop is not None:
-        stop()
+    """The workers' forkserver started a resource tracker (a child of this process, root); left
+    alone, it exits only after this process has, adopted by whoever reaps orphans: the process
+    that ran `labkit grade` when it is a subreaper (a batch system's shim, test_grade_run's
+    SIGTERM test: 6 of 40 rounds under load found it in state R). Stopped here, on the way out."""
+    from labkit.common import stop_resource_tracker
+    stop_resource_tracker()
 
 
 def _leave_now(code: int) -> None:

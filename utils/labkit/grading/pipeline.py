@@ -484,23 +484,11 @@ def _run_workers(jobs: list, parallel: int, time_limit: float, log) -> dict:
 
 
 def _kill_forkserver() -> None:
-    """On a stop (SIGTERM, SIGINT), the workers' forkserver is SIGKILLed, not asked to leave.
-    Asked (its pipe closed, as multiprocessing does when this process exits), it runs a whole
-    interpreter's finalization with torch and nbgrader imported, about a CPU-second, and holds
-    the grader's stdout meanwhile: 3-51 s of wall time after the grader itself had exited, at
-    load 10-30 on 2 cores (tests/stress/stress_sigterm.py), a time that grows with the load. It
-    runs no student code and keeps nothing worth saving; a later grade() in this process starts
-    a new one (multiprocessing's ForkServer.ensure_running sees it gone)."""
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    with server._lock:
-        if server._forkserver_pid is None:
-            return
-        try:
-            os.kill(server._forkserver_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        server._stop_unlocked()          # closes its pipe, reaps it, removes its socket
+    """On a stop (SIGTERM, SIGINT), the workers' forkserver is SIGKILLed, not asked to leave: it
+    holds torch and nbgrader, and its finalization held the grader's stdout for 3-51 s after the
+    grader had exited, at load 10-30 (labkit.common.kill_forkserver says why that is safe)."""
+    from labkit.common import kill_forkserver
+    kill_forkserver()
 
 
 def _block(signals: set):

@@ -25,6 +25,7 @@ import pickle
 import selectors
 import shutil
 import subprocess
+import sys
 import time
 import types
 from multiprocessing.reduction import ForkingPickler
@@ -840,6 +841,47 @@ def _hide_labkit_frames_in_ipython():
     shell._labkit_frames_hidden = True
 
 
+def _close_with_the_kernel():
+    """In a Jupyter kernel: close the world when the kernel is asked to shut down, before
+    ipykernel deals with the kernel's children.
+
+    ipykernel 7's shutdown_request (kernelbase.py, `_progressively_terminate_all_children`) sends
+    SIGTERM to every child in the kernel's process group, again and again for 14.4 s, then SIGKILL
+    for as long, and only then lets the kernel exit. Two children never leave on SIGTERM: the
+    resource tracker ignores it (multiprocessing/resource_tracker.py), and the forkserver, once
+    dead, stays a zombie that ipykernel still counts, since nothing reaps it. jupyter_client does
+    not wait that long: it SIGTERMs the kernel after half its `shutdown_wait_time` (2.5 s) and
+    SIGKILLs it at the end, so every kernel that had a world cost 2.5 s to shut down and died
+    without running atexit: the world was never closed (its ranks died with the forkserver) and
+    multiprocessing's temporary folder (pymp-*, the forkserver's socket) stayed in TMPDIR, one per
+    kernel. Here the kernel's `do_shutdown`, which ipykernel calls first, closes the world and
+    stops both helpers (the forkserver SIGKILLed: asked, it would spend 1.2 s finalizing torch):
+    ipykernel then finds no child, and the kernel exits normally, its atexit handlers run."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or getattr(kernel, "_labkit_closes_with_it", False):
+        return
+    original = kernel.do_shutdown
+
+    def do_shutdown(restart):
+        try:
+            from labkit.common import kill_forkserver, stop_resource_tracker
+            shutdown_all()
+            kill_forkserver()
+            stop_resource_tracker()
+        except Exception as error:                # the kernel must still shut down
+            print(f"labkit: closing the world at kernel shutdown failed: {error!r}",
+                  file=sys.__stderr__, flush=True)
+        return original(restart)
+
+    kernel.do_shutdown = do_shutdown
+    kernel._labkit_closes_with_it = True
+
+
 def _first_line(text, limit=300):
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[:limit] + " ..."
@@ -911,6 +953,7 @@ def world(n, backend="auto", timeout=60.0, teaching=True):
     if _CURRENT is not None:
         _CURRENT.close()
     _hide_labkit_frames_in_ipython()
+    _close_with_the_kernel()
     # Under the grader (labkit grade), the kernel's world is only for the student's own cells:
     # graded calls run on ranks the grader starts. Its ranks start when a cell first uses it.
     lazy = os.environ.get("NBGRADER_EXECUTION") == "autograde"
