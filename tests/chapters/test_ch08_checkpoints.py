@@ -68,6 +68,30 @@ def test_check_name_refuses_what_could_leave_the_folder(bad):
         layout.check_name(bad)
 
 
+def test_the_lab_checkers_rank_programs_leave_no_scratch_folder(tmp_path, monkeypatch):
+    """The retention checks run in a folder of their own per rank and check, removed whether the
+    program returns or raises (they used to stay in TMPDIR: 738 of them after a day's runs)."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    @checks._in_a_scratch_folder
+    def program(share, collect, folder):
+        seen.append(folder)
+        Path(folder, "shard").write_bytes(b"x")
+        if share == "raise":
+            raise RuntimeError("the collect under test failed")
+        return os.listdir(folder)
+
+    assert program("return", None) == ["shard"]
+    with pytest.raises(RuntimeError, match="collect under test"):
+        program("raise", None)
+    assert len(seen) == 2 and all(Path(f).parent == tmp_path for f in seen)
+    assert list(tmp_path.iterdir()) == []
+    assert all(getattr(checks, name).__wrapped__ for name in
+               ("_retention_program", "_trials_program", "_leases_program"))
+
+
 @given(st.integers(0, 10 ** 9 - 1), st.integers(0, 10 ** 9 - 1))
 def test_snapshot_ids_sort_by_step(a, b):
     assert (layout.snapshot_id(a) < layout.snapshot_id(b)) == (a < b)

@@ -121,10 +121,27 @@ def _prepare(folder: str, share: dict) -> None:
             stream.write(f"{reader} reads {sid}\n")
 
 
-def _retention_program(share, collect):
+def _in_a_scratch_folder(program):
+    """The rank program runs in a folder of its own under TMPDIR, removed when it returns or
+    raises: a checker run leaves nothing behind (it used to leave one folder per rank and check,
+    hundreds in a day of grading)."""
+    import functools
+
+    @functools.wraps(program)
+    def run(share, collect):
+        import shutil
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="lab08-")
+        try:
+            return program(share, collect, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return run
+
+
+@_in_a_scratch_folder
+def _retention_program(share, collect, folder):
     """Bad `keep` values, then rounds of saves + damage + collect, in this rank's own folder."""
-    import tempfile
-    folder = tempfile.mkdtemp(prefix="lab08-")
     victims = crash.shared(HELPER)
     out = {"rounds": []}
     _prepare(folder, share["rounds"][0])
@@ -146,10 +163,9 @@ def _retention_program(share, collect):
     return out
 
 
-def _trials_program(share, collect):
+@_in_a_scratch_folder
+def _trials_program(share, collect, folder):
     """Crash trials: in each, a save then a collect, one of them killed as the plan says."""
-    import tempfile
-    folder = tempfile.mkdtemp(prefix="lab08-")
     victims, records = crash.shared(HELPER), []
     _prepare(folder, share["start"])
     for sid, shards, plan in zip(share["ids"], share["shards"], share["plans"]):
@@ -165,10 +181,9 @@ def _trials_program(share, collect):
     return records
 
 
-def _leases_program(share, collect):
+@_in_a_scratch_folder
+def _leases_program(share, collect, folder):
     """Collect with leases held, then again after one lease is given back."""
-    import tempfile
-    folder = tempfile.mkdtemp(prefix="lab08-")
     victims = crash.shared(HELPER)
     _prepare(folder, share)
     out = {"before": observe(folder)}
