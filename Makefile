@@ -4,7 +4,8 @@
 #   make lab      open JupyterLab on the course
 #   make release  regenerate labs/ from solutions/
 # Parameters of `make course`: WORLD (ranks, 2), BACKEND (auto|gloo|nccl), SCALE (small|large),
-# ONLY (run notebooks whose path contains this), e.g. `make course WORLD=4 BACKEND=nccl`.
+# ONLY (run notebooks whose path contains this), JOBS (notebooks at once, 1),
+# e.g. `make course WORLD=4 BACKEND=nccl`.
 
 SHELL   := /bin/bash
 PYTHON  ?= python3
@@ -15,6 +16,7 @@ WORLD   ?= 2
 BACKEND ?= auto
 SCALE   ?= small
 ONLY    ?=
+JOBS    ?= 1
 PYTEST_ARGS ?=
 # pytest-xdist workers of `make test`; 0 (the default) runs the suite in one process.
 # tests/conftest.py says how workers share it. On 2 cores, 2 workers took 1781 s against 2006 s
@@ -60,7 +62,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 course: $(STAMP)
-	$(BIN)/labkit build --world $(WORLD) --backend $(BACKEND) --scale $(SCALE) $(if $(ONLY),--only $(ONLY))
+	$(BIN)/labkit build --world $(WORLD) --backend $(BACKEND) --scale $(SCALE) --jobs $(JOBS) $(if $(ONLY),--only $(ONLY))
 
 test: $(STAMP)
 	@if [ -x .ci/install-browser ]; then .ci/install-browser; fi

@@ -27,6 +27,23 @@ def test_bounds_and_sweeps():
         formulas.evaluate("x", "many", 1)
 
 
+def test_one_absolute_tolerance_per_value():
+    """Each value's own slack (gloo's framing times that value's message count): a value within
+    its neighbour's larger tolerance but outside its own fails."""
+    within = formulas.evaluate("bytes at t = 2, 3", [1000, 2000], [1100, 2280], abs_tol=[144, 288])
+    assert within.passed and within.abs_tol == [144.0, 288.0]
+    assert "absolute, per value" in within.line()
+    assert not formulas.evaluate("bytes at t = 2, 3", [1000, 2000], [1200, 2100],
+                                 abs_tol=[144, 288]).passed
+    with pytest.raises(ValueError, match="abs_tol has 1 values for 2 predicted"):
+        formulas.evaluate("x", [1, 2], [1, 2], abs_tol=[1])
+    with pytest.raises(ValueError, match=">= 0"):
+        formulas.evaluate("x", [1, 2], [1, 2], abs_tol=[1, -1])
+    from labkit.tools.build import _abs_tol_text
+    assert _abs_tol_text([144.0, 288.0]) == "per value 144 to 288 abs"
+    assert _abs_tol_text([5.0, 5.0]) == "5 abs" and _abs_tol_text(0.0) == ""
+
+
 def test_a_timing_outside_its_tolerance_is_recorded_not_raised():
     result = formulas.check("busbw", 1e9, 3e8, rel_tol=0.5, unit="B/s", timing=True)
     assert not result.passed and result.timing and "off" in result.line()

@@ -3,6 +3,7 @@ fails (issue 25: every notebook passes five times in a row at WORLD=2, 3 and 4 o
 
     .venv/bin/python tests/stress/stress_course.py --worlds 2 3 4 --runs 5
     .venv/bin/python tests/stress/stress_course.py --worlds 2 --runs 3 --only solutions/
+    .venv/bin/python tests/stress/stress_course.py --worlds 3 --runs 5 --jobs 2   # as test_build
 
 Each run is `labkit build --world W` (what `make course WORLD=W` runs) into a folder of its own
 (build/stress/w<W>-r<i>), one at a time. Prints, per run, its time and the notebooks that failed
@@ -21,9 +22,9 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 LINE = re.compile(r"^\[(\d+)/(\d+)\] (\S+) \.\.\. (\w+) \(([\d.]+)s\)")
 
 
-def one_run(world, out, only):
+def one_run(world, out, only, jobs=1):
     command = [sys.executable, "-m", "labkit.tools.cli", "build", "--world", str(world),
-               "--out", out, "--root", ROOT] + (["--only", only] if only else [])
+               "--out", out, "--root", ROOT, "--jobs", str(jobs)] + (["--only", only] if only else [])
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     seconds = time.monotonic() - started
@@ -46,13 +47,14 @@ def main():
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", default=None, help="as labkit build --only")
+    parser.add_argument("--jobs", type=int, default=1, help="as labkit build --jobs (make course JOBS=)")
     args = parser.parse_args()
     table = {}                           # (world, notebook) -> [failures, runs]
     failed_any = False
     for world in args.worlds:
         for run in range(1, args.runs + 1):
             out = os.path.join(ROOT, "build", "stress", f"w{world}-r{run}")
-            code, seconds, statuses, errors = one_run(world, out, args.only)
+            code, seconds, statuses, errors = one_run(world, out, args.only, args.jobs)
             bad = [n for n, (s, _) in statuses.items() if s != "ok"]
             failed_any |= bool(bad) or code != 0
             load = os.getloadavg()[0]

@@ -54,7 +54,7 @@ class FormulaCheck:
     predicted: list
     measured: list
     rel_tol: float
-    abs_tol: float
+    abs_tol: float | list       # one value, or one per value (a count of messages per t, say)
     bound: str | None
     unit: str
     source: str
@@ -82,7 +82,9 @@ class FormulaCheck:
         tolerance = []
         if self.rel_tol:
             tolerance.append(f"{self.rel_tol:.3g} relative")
-        if self.abs_tol:
+        if isinstance(self.abs_tol, list):
+            tolerance.append(f"{show(self.abs_tol)} absolute, per value")
+        elif self.abs_tol:
             tolerance.append(f"{self.abs_tol:.3g}{(' ' + self.unit) if self.unit else ''} absolute")
         error = error_text(self.predicted, self.measured, self.worst_error, self.unit)
         measured_as = {"reproduction": "reproduced", "simulation": "simulated",
@@ -167,21 +169,30 @@ def evaluate(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: floa
     kind = _kind_of(name.strip(), kind, timing, source, basis, required=False)
     if bound not in BOUNDS:
         raise ValueError(f"formulas.check: bound must be one of {BOUNDS}, got {bound!r}")
-    if rel_tol < 0 or abs_tol < 0:
+    per_value = isinstance(abs_tol, (list, tuple)) or hasattr(abs_tol, "tolist")
+    tolerances = _as_list(abs_tol, "abs_tol") if per_value else None
+    if rel_tol < 0 or (min(tolerances) if per_value else abs_tol) < 0:
         raise ValueError(f"formulas.check: tolerances must be >= 0, got rel_tol={rel_tol}, "
                          f"abs_tol={abs_tol}")
     predicted, measured = _as_list(predicted, "predicted"), _as_list(measured, "measured")
     if len(predicted) != len(measured):
         raise ValueError(f"formulas.check({name!r}): {len(predicted)} predicted values but "
                          f"{len(measured)} measured ones")
+    if per_value and len(tolerances) != len(predicted):
+        raise ValueError(f"formulas.check({name!r}): abs_tol has {len(tolerances)} values for "
+                         f"{len(predicted)} predicted ones (give one tolerance, or one per value)")
+    if not per_value:
+        tolerances = [float(abs_tol)] * len(predicted)
     if not all(math.isfinite(v) for v in predicted + measured):
         passed, worst = False, math.inf
     else:
-        passed = all(_within(p, m, rel_tol, abs_tol, bound) for p, m in zip(predicted, measured))
+        passed = all(_within(p, m, rel_tol, a, bound)
+                     for p, m, a in zip(predicted, measured, tolerances))
         errors = [0.0 if p == m else (abs(m - p) / abs(p) if p else math.inf)
                   for p, m in zip(predicted, measured)]
         worst = max(errors)
-    return FormulaCheck(name.strip(), predicted, measured, float(rel_tol), float(abs_tol), bound,
+    return FormulaCheck(name.strip(), predicted, measured, float(rel_tol),
+                        tolerances if per_value else float(abs_tol), bound,
                         unit, source, worst, passed, kind == "timing", kind, why.strip(),
                         basis.strip())
 
@@ -195,6 +206,8 @@ def check(name: str, predicted, measured, rel_tol: float = 0.0, abs_tol: float =
     name: what the formula gives ("ring all-reduce: bytes sent per rank").
     predicted, measured: numbers or equal-length sequences of numbers.
     rel_tol, abs_tol: the stated tolerance (a value passes within either); both 0 means exact.
+    abs_tol may be a sequence, one tolerance per value (where each value's slack has its own
+    count: messages at each t, say).
     bound: None (equal), "upper" (measured <= predicted) or "lower" (measured >= predicted).
     unit: shown after the numbers ("B", "s", "GB/s"). source: where the formula comes from
     (a paper, a section), shown in the ledger. timing: a time measured on a shared machine

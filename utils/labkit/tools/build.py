@@ -136,10 +136,50 @@ def formula_records(executed: Path) -> list:
     return records_in_notebook(json.loads(executed.read_text(encoding="utf-8")))
 
 
+def _execute_in_parallel(root: Path, notebooks: list, out: Path, parameters: dict,
+                         kernel: str | None, cell_timeout: int, jobs: int) -> list:
+    """execute_one for each notebook, `jobs` at a time, each in a fresh process (spawned: the
+    kernel's stderr is redirected per process, and no torch state is forked). A notebook's line
+    is printed whole when it finishes, numbered in notebook order; results in notebook order."""
+    import concurrent.futures
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    results = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context,
+                                                max_tasks_per_child=1) as pool:
+        futures = {pool.submit(execute_one, root, notebook, out, parameters, kernel,
+                               cell_timeout): i
+                   for i, notebook in enumerate(notebooks, 1)}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            notebook = notebooks[i - 1]
+            try:
+                result = future.result()
+            except Exception as exc:          # the worker process itself died
+                result = Result(notebook, "FAILED", 0.0, out / "executed" / notebook, None,
+                                f"the build's worker process failed: {_short_error(exc)}")
+            results[i] = result
+            print(f"[{i}/{len(notebooks)}] {notebook} ... {result.status} "
+                  f"({result.seconds:.1f}s)", flush=True)
+            if result.error:
+                print(f"      {result.error}", flush=True)
+    return [results[i] for i in sorted(results)]
+
+
 def _number(values: list, unit: str) -> str:
     text = (f"{values[0]:.4g}" if len(values) == 1 else
             f"{len(values)} values, {min(values):.3g} to {max(values):.3g}")
     return f"{text} {unit}".strip()
+
+
+def _abs_tol_text(abs_tol) -> str:
+    """'0.5 abs', or for one tolerance per value 'per value 288 to 864 abs'; '' for none."""
+    if isinstance(abs_tol, list):
+        if not any(abs_tol):
+            return ""
+        low, high = min(abs_tol), max(abs_tol)
+        return f"{low:.3g} abs" if low == high else f"per value {low:.3g} to {high:.3g} abs"
+    return f"{abs_tol:.3g} abs" if abs_tol else ""
 
 
 def formula_table(results: list) -> list[tuple]:
@@ -150,7 +190,7 @@ def formula_table(results: list) -> list[tuple]:
         for r in result.formulas:
             tolerance = " or ".join(t for t in (
                 f"{r['rel_tol']:.3g} rel" if r.get("rel_tol") else "",
-                f"{r['abs_tol']:.3g} abs" if r.get("abs_tol") else "") if t) or "exact"
+                _abs_tol_text(r.get("abs_tol"))) if t) or "exact"
             if r.get("bound"):
                 tolerance += f" ({r['bound']} bound)"
             error = r.get("worst_error")
@@ -314,6 +354,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=Path, default=Path("."), help="repository root (.)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (ROOT/build)")
     parser.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell (600)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="notebooks executed at once, each in a process of its own (1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,14 +374,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"labkit build: {len(notebooks)} notebooks, WORLD_SIZE={args.world} "
           f"BACKEND={args.backend} SCALE={args.scale}, kernel {kernel or '(from notebook)'}",
           flush=True)
-    results, total_start = [], time.perf_counter()
-    for i, notebook in enumerate(notebooks, 1):
-        print(f"[{i}/{len(notebooks)}] {notebook} ...", end="", flush=True)
-        result = execute_one(root, notebook, out, parameters, kernel, args.cell_timeout)
-        results.append(result)
-        print(f" {result.status} ({result.seconds:.1f}s)", flush=True)
-        if result.error:
-            print(f"      {result.error}", flush=True)
+    jobs = getattr(args, "jobs", 1)
+    if not isinstance(jobs, int) or jobs < 1:
+        print(f"labkit build: --jobs must be >= 1, got {jobs!r}", file=sys.stderr)
+        return 2
+    total_start = time.perf_counter()
+    if jobs == 1:
+        results = []
+        for i, notebook in enumerate(notebooks, 1):
+            print(f"[{i}/{len(notebooks)}] {notebook} ...", end="", flush=True)
+            result = execute_one(root, notebook, out, parameters, kernel, args.cell_timeout)
+            results.append(result)
+            print(f" {result.status} ({result.seconds:.1f}s)", flush=True)
+            if result.error:
+                print(f"      {result.error}", flush=True)
+    else:
+        results = _execute_in_parallel(root, notebooks, out, parameters, kernel,
+                                       args.cell_timeout, jobs)
     table = summary_table(results, root)
     failed = [r for r in results if r.status != "ok"]
     total = time.perf_counter() - total_start
