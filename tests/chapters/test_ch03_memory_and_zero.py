@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import lab_notebooks
 import labkit
 from lab_notebooks import answer_cells
-from labkit.memory import activations, bench, checks, ledger, measure, zero, zero_pipeline
+from labkit.memory import (activations, bench, checks, ledger, measure, snapshot, zero,
+                           zero_pipeline)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "lab03_memory_and_zero"
@@ -189,6 +190,54 @@ def test_profiler_categories_of_a_plain_adamw_step_are_exact():
     assert timeline.start["gradient"] == 4 * n
     assert timeline.start["optimizer_state"] == 8 * n + 4 * 4     # m, v; four 4-byte step counts
     assert timeline.peak >= sum(timeline.start.values())
+
+
+def _entry(action, addr, size, *frames):
+    return {"action": action, "addr": addr, "size": size, "stream": 0,
+            "frames": [{"filename": f, "line": n, "name": name} for f, n, name in frames]}
+
+
+def test_snapshot_peak_replays_a_trace_from_what_was_allocated_before_it():
+    """A CUDA-format snapshot written by hand: 1000 B allocated before recording (and still at the
+    end), then a 300-B and a 500-B block (the peak, 1800 B), the 300 freed, 100 more."""
+    user = ("/home/me/train.py", 12, "step")
+    inner = ("/venv/lib/torch/nn/functional.py", 7, "linear")
+    trace = [_entry("alloc", 0x10, 300, inner, user), _entry("alloc", 0x20, 500, user),
+             _entry("free_requested", 0x10, 300), _entry("free_completed", 0x10, 300),
+             _entry("alloc", 0x30, 100, inner)]
+    blocks = [{"size": 1000, "state": "active_allocated", "address": 0},
+              {"size": 500, "state": "active_allocated", "address": 0x20},
+              {"size": 100, "state": "active_allocated", "address": 0x30},
+              {"size": 300, "state": "inactive", "address": 0x10}]
+    snap = {"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]}
+    found = snapshot.peak(snap, 0)
+    assert (found.bytes, found.baseline, found.index, found.entries) == (1800, 1000, 1, 5)
+    assert found.live == [(800, 2, "train.py:12 in step")]      # torch's own frame skipped
+    assert snapshot.where([{"filename": "none", "line": 0, "name": "torch/optim/adam.py(3): f"}]) \
+        == "torch/optim/adam.py(3): f (torch)"
+    assert snapshot.where([]) == "(no frames)"
+    assert "1,800 B" in found.table() and snapshot.Peak.from_dict(found.as_dict()) == found
+    with pytest.raises(ValueError, match="device_traces"):
+        snapshot.peak({"segments": []})
+    with pytest.raises(ValueError, match="devices 0..0"):
+        snapshot.peak(snap, 3)
+
+
+def test_snapshot_of_a_cpu_step_peaks_where_the_profilers_timeline_does():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randn(16, 32)
+
+    def step():
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    step()
+    snap, trace = snapshot.record(step, device="cpu")
+    found = snapshot.peak(snap, trace)
+    assert found.bytes == measure.profile(step, device="cpu").peak
+    assert found.baseline >= 4 * 3 * sum(p.numel() for p in model.parameters())   # weights, m, v
+    assert any("in step" in where or "): step" in where for _, _, where in found.live), found.live
 
 
 @FEW

@@ -82,8 +82,8 @@ def bench_case(stage, P=None, layers=3, hidden=48, batch=4, seq=16, steps=1, dty
         raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
     if P is not None and (not isinstance(P, int) or P < 1):
         raise ValueError(f"P must be a positive int (ranks sharing the states), got {P!r}")
-    if profile not in (False, "roles", "raw"):
-        raise ValueError(f"profile must be False, 'roles' or 'raw', got {profile!r}")
+    if profile not in (False, "roles", "raw", "snapshot"):
+        raise ValueError(f"profile must be False, 'roles', 'raw' or 'snapshot', got {profile!r}")
     if profile_rank is not None and (not isinstance(profile_rank, int) or profile_rank < 0):
         raise ValueError(f"profile_rank must be None or a rank (an int >= 0), got {profile_rank!r}")
     return dict(stage=stage, P=P, layers=layers, hidden=hidden, batch=batch, seq=seq, steps=steps,
@@ -104,8 +104,10 @@ def run_bench(case):
     """On every rank: ranks 0 .. P-1 run the case; the others return None. Returns the bytes this
     rank keeps by category (after the steps), the weights after each step (history=True, float64),
     and the timeline of one more step: profile="roles" files the tensors by the course's categories
-    (`trainer.roles()`), profile="raw" keeps torch's own labels. On a GPU also CUDA's own peak
-    statistics of that step (`torch.cuda.max_memory_allocated` and `max_memory_reserved`)."""
+    (`trainer.roles()`), profile="raw" keeps torch's own labels, profile="snapshot" records an
+    allocator snapshot instead (`labkit.memory.snapshot`: the CUDA allocator's history on a GPU,
+    torch's memory profile in the same format on a CPU) and returns its peak. On a GPU also CUDA's
+    own peak statistics of that step (`torch.cuda.max_memory_allocated` and `max_memory_reserved`)."""
     import labkit
     from labkit.memory import measure
     P = case["P"] or dist.get_world_size()
@@ -142,7 +144,12 @@ def run_bench(case):
         labels = roles if case["profile"] == "roles" else None
         if device.type == "cuda":                        # CUDA's own count, allocator included
             torch.cuda.reset_peak_memory_stats(device)
-        result["timeline"] = measure.profile(step, x, roles=labels).as_dict()
+        if case["profile"] == "snapshot":
+            from labkit.memory import snapshot
+            snap, trace = snapshot.record(step, x, device=device)
+            result["snapshot"] = snapshot.peak(snap, trace).as_dict()
+        else:
+            result["timeline"] = measure.profile(step, x, roles=labels).as_dict()
         if device.type == "cuda":
             result["cuda"] = {"max_allocated": torch.cuda.max_memory_allocated(device),
                               "max_reserved": torch.cuda.max_memory_reserved(device)}
