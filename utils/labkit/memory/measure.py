@@ -121,6 +121,18 @@ def _quiet_stderr():
         os.close(saved)
 
 
+def run_under(prof, fn, *args, **kwargs) -> None:
+    """fn(*args, **kwargs) inside the profiler `prof`; its start and stop lines (kineto prints
+    "profiler_start/stop" to fd 2) silenced."""
+    with _quiet_stderr():
+        prof.__enter__()
+    try:
+        fn(*args, **kwargs)
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+
+
 def _storage_ptr(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -142,13 +154,7 @@ def profile(fn, *args, roles=None, device=None, **kwargs) -> Timeline:
         prof = autograd_profiler.profile(use_cpu=True, use_device="cuda" if device.type == "cuda"
                                          else None, record_shapes=True, profile_memory=True,
                                          with_stack=True)
-        with _quiet_stderr():                  # kineto prints "profiler_start/stop" lines there
-            prof.__enter__()
-        try:
-            fn(*args, **kwargs)
-        finally:
-            with _quiet_stderr():
-                prof.__exit__(None, None, None)
+        run_under(prof, fn, *args, **kwargs)
         memory = MemoryProfile(prof.kineto_results)
     by_address = {}
     for category, tensors in (roles or {}).items():

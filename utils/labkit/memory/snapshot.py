@@ -160,16 +160,10 @@ def record(fn, *args, device=None, **kwargs) -> tuple[dict, int]:
         return snap, device.index if device.index is not None else torch.cuda.current_device()
     import warnings
     from torch.cuda import _memory_viz
-    from labkit.memory.measure import _quiet_stderr
+    from labkit.memory.measure import run_under
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                       profile_memory=True, record_shapes=True, with_stack=True)
-        with _quiet_stderr():
-            prof.__enter__()
-        try:
-            fn(*args, **kwargs)
-        finally:
-            with _quiet_stderr():
-                prof.__exit__(None, None, None)
+        run_under(prof, fn, *args, **kwargs)
         return _memory_viz._profile_to_snapshot(prof), -1
