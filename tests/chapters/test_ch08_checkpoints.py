@@ -301,6 +301,23 @@ def test_killclock_real_ranks_resume_where_the_schedule_says(tmp_path):
     assert math.isclose(run["wall"], expected["wall"], rel_tol=1e-12)
 
 
+def test_killclock_under_torchrun_loses_what_the_schedule_says(tmp_path):
+    """Issue 29: the same job under torchrun, whose agent restarts new interpreters after each
+    SIGKILL: attempt a knows its failure from TORCHELASTIC_RESTART_COUNT, resumes from what the
+    store verified, and the job's failures, resume points and wall are the replay's."""
+    seed = next(seed for seed in range(100) if len(killclock.replay(
+        12, 3, 1.0, killclock.failure_times(5.0, 1e3, seed))["resumed_from"]) == 2)
+    run = killclock.run_job_torchrun(str(tmp_path), work=12, tau=3, C=1.0, M=5.0, seed=seed)
+    clock = killclock.failure_times(5.0, killclock._horizon(12, 3, 1.0, 5.0), seed)
+    expected = killclock.replay(12, 3, 1.0, clock)
+    assert run["restarts"] == 2 and run["failures"] == clock[:2]
+    assert run["resumed_from"] == expected["resumed_from"]
+    assert math.isclose(run["wall"], expected["wall"], rel_tol=1e-12)
+    assert len(run["restart_seconds"]) == 2 and all(0 < s < 60 for s in run["restart_seconds"])
+    with pytest.raises(ValueError, match="whole steps"):
+        killclock.run_job_torchrun(str(tmp_path / "never"), work=12, tau=2.5, C=1.0, M=5.0, seed=0)
+
+
 def test_killclock_refuses_fractional_steps():
     with pytest.raises(ValueError, match="whole steps"):
         killclock.replay(10, 2.5, 1.0, [])

@@ -75,11 +75,11 @@ def _save(root, trainer, steps):
 
 
 def attempt(root: str, work: int, tau: int, C: float, start: float, failure: float | None,
-            victim: int = 1) -> dict:
+            victim: int = 1, started=None) -> dict:
     """One attempt of the job, as every rank runs it (see the module docstring). `start`: the
     clock when this attempt begins; `failure`: when the next failure strikes (None: never).
     Returns {"resumed_from", "wall"} when the job finishes; rank `victim` SIGKILLs itself when
-    the clock passes `failure`."""
+    the clock passes `failure`. `started(step)`, if given, is called with the step loaded."""
     import torch.distributed as dist
     from labkit.checkpoint import bench, resume, store
     _check(work, tau, C)
@@ -90,6 +90,8 @@ def attempt(root: str, work: int, tau: int, C: float, start: float, failure: flo
     if found is not None:
         resume.restore(trainer, resume.from_bytes(found["shards"][f"rank{rank}.pt"]))
     resumed_from, clock = trainer.steps, start
+    if started is not None:
+        started(resumed_from)
 
     def die_if(cost):
         if failure is not None and clock + cost > failure and rank == victim:
@@ -112,6 +114,10 @@ def attempt(root: str, work: int, tau: int, C: float, start: float, failure: flo
     return {"resumed_from": resumed_from, "wall": clock}
 
 
+def _horizon(work, tau, C, M):
+    return 20.0 * (work + C * math.ceil(work / tau)) + 10 * M
+
+
 def run_job(world, root: str, work: int, tau: int, C: float, M: float, seed: int,
             timeout: float = 120.0) -> dict:
     """Run the job to the end on `world`, one attempt per failure of the clock; returns
@@ -121,8 +127,7 @@ def run_job(world, root: str, work: int, tau: int, C: float, M: float, seed: int
     import labkit
     from labkit.checkpoint import crash, store
     _check(work, tau, C)
-    horizon = 20.0 * (work + C * math.ceil(work / tau)) + 10 * M
-    clock_times = failure_times(M, horizon, seed)
+    clock_times = failure_times(M, _horizon(work, tau, C, M), seed)
     start, resumed, struck, count = 0.0, [], [], crash.RestartCount()
     for failure in clock_times:
         found = store.load_latest(root)
@@ -143,6 +148,83 @@ def run_job(world, root: str, work: int, tau: int, C: float, M: float, seed: int
                 "restarts": count.restarts}
     raise RuntimeError(f"the job did not finish before {len(clock_times)} failures (M={M} too "
                        f"small for work={work}, tau={tau}, C={C}?)")
+
+
+def torchrun_attempt(folder: str, work: int, tau: int, C: float, M: float, seed: int,
+                     victim: int = 1) -> float:
+    """`attempt` as torchrun runs it (`run_job_torchrun`): the attempt's number is torchrun's
+    TORCHELASTIC_RESTART_COUNT, a, so it begins at failure a - 1 of the clock (0 for the first)
+    and rank `victim` dies at failure a, as in `run_job`, where one attempt also ends per failure.
+    Every rank appends what it loaded, and at the end its clock, to FOLDER/rank<k>.jsonl."""
+    import json
+    import time
+    import torch.distributed as dist
+    number = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    times = failure_times(M, _horizon(work, tau, C, M), seed)
+    start = 0.0 if number == 0 else times[number - 1]
+    failure = times[number] if number < len(times) else None
+    path = os.path.join(folder, f"rank{dist.get_rank()}.jsonl")
+
+    def log(**event):
+        with open(path, "a") as stream:
+            stream.write(json.dumps(dict(event, attempt=number, t=time.time())) + "\n")
+
+    result = attempt(os.path.join(folder, "checkpoints"), work, tau, C, start, failure, victim,
+                     started=lambda step: log(event="start", resumed_from=step))
+    log(event="finished", wall=result["wall"])
+    return result["wall"]
+
+
+def run_job_torchrun(folder: str, work: int, tau: int, C: float, M: float, seed: int,
+                     nproc: int = 2, victim: int = 1, timeout: float = 600.0) -> dict:
+    """`run_job` under torchrun: the same job and clock, each attempt a new set of `nproc`
+    interpreters that torchrun's agent starts when the victim dies (`--max-restarts` one per
+    failure the clock can strike; labkit.runtime.torchrun.job). Returns run_job's keys, where
+    "resumed_from" is what the victim rank loaded in each attempt after a failure (every rank that
+    logged agrees, or this raises), and "seconds" (the job's wall-clock time) and "restart_seconds"
+    (per failure: from the kill to the next attempt's load)."""
+    import glob
+    import json
+    from labkit.runtime import torchrun
+    _check(work, tau, C)
+    times = failure_times(M, _horizon(work, tau, C, M), seed)
+    os.makedirs(os.path.join(folder, "checkpoints"), exist_ok=True)
+    run = torchrun.job("labkit.checkpoint.killclock:torchrun_attempt",
+                       [folder, work, tau, float(C), float(M), seed, victim], nproc=nproc,
+                       max_restarts=len(times), timeout=timeout)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"the torchrun job (tau={tau}, seed={seed}) failed with exit status "
+                           f"{run['returncode']}; its output ends:\n{run['output'][-2000:]}")
+    events = {}
+    for path in glob.glob(os.path.join(folder, "rank*.jsonl")):
+        rank = int(os.path.basename(path)[4:-6])
+        with open(path) as stream:
+            for line in stream:
+                event = json.loads(line)
+                events.setdefault(event["attempt"], {}).setdefault(event["event"], {})[rank] = event
+    victim = min(victim, nproc - 1)
+    count = max(events) + 1
+    if sorted(events) != list(range(count)) or any(victim not in events[a].get("start", {})
+                                                   for a in range(count)):
+        raise RuntimeError(f"the victim rank {victim} logged no start for some attempt of "
+                           f"{count}: {sorted(events)}")
+    resumed = []
+    for a in range(count):
+        loaded = {e["resumed_from"] for e in events[a]["start"].values()}
+        if len(loaded) != 1:
+            raise RuntimeError(f"attempt {a}: the ranks loaded different steps: "
+                               f"{ {r: e['resumed_from'] for r, e in events[a]['start'].items()} }")
+        if a:
+            resumed.append(loaded.pop())
+    finished = events[count - 1].get("finished", {})
+    if len(finished) != nproc:
+        raise RuntimeError(f"the last attempt ({count - 1}) finished on ranks {sorted(finished)} "
+                           f"of {nproc}")
+    # the victim's last line of each attempt that died is its start: the kill comes after it
+    restart = [events[a + 1]["start"][victim]["t"] - max(
+        e["t"] for kind in events[a].values() for e in kind.values()) for a in range(count - 1)]
+    return {"wall": finished[0]["wall"], "failures": times[:count - 1], "resumed_from": resumed,
+            "restarts": count - 1, "seconds": run["seconds"], "restart_seconds": restart}
 
 
 def lost_fraction(wall: float, work: int) -> float:

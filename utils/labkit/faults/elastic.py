@@ -23,11 +23,7 @@ them again with TORCHELASTIC_RESTART_COUNT=1; they rendezvous again and resume. 
         -m labkit.runtime.torchrun --entry labkit.faults.elastic:train \\
         FOLDER STEPS EVERY KILL_AT KILL_RANK
 
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: by default the workers' process group reuses the key-value
-store of torchrun's rendezvous, which outlives a restart, and the restarted workers can read the
-dead workers' addresses from it. Measured with torch 2.13.0 (CPU, gloo, --standalone): without
-the variable, 3 restarts out of 3 failed to form the process group (one hung until killed); with
-it, 3 out of 3 worked. The same store sharing is the subject of pytorch issue #135712.
+The environment and flags are those of `labkit.runtime.torchrun.job`, which says why.
 """
 from __future__ import annotations
 
@@ -35,8 +31,6 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 
@@ -89,16 +83,20 @@ def train(folder: str, steps: int, every: int, kill_at, kill_rank: int = 1):
     return trainer.steps
 
 
+def _arguments(folder: str, steps: int, every: int, kill_at, kill_rank: int) -> list[str]:
+    """`train`'s arguments, as torchrun passes them to every rank."""
+    return [folder, str(steps), str(every), ",".join(map(str, _kills(kill_at))), str(kill_rank)]
+
+
 def command(nproc: int, folder: str, steps: int, every: int, kill_at, kill_rank: int = 1,
             max_restarts: int | None = None) -> list[str]:
     """The torchrun command line that `launch` runs (one restart per kill unless told)."""
+    from labkit.runtime import torchrun
     if max_restarts is None:
         max_restarts = len(_kills(kill_at))
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.1", "-m", "labkit.runtime.torchrun",
-            "--entry", "labkit.faults.elastic:train", "--backend", "gloo",
-            folder, str(steps), str(every), ",".join(map(str, _kills(kill_at))), str(kill_rank)]
+    return torchrun.job_command("labkit.faults.elastic:train",
+                                _arguments(folder, steps, every, kill_at, kill_rank),
+                                nproc=nproc, max_restarts=max_restarts)
 
 
 def launch(nproc: int, steps: int, every: int, kill_at, folder: str, kill_rank: int = 1,
@@ -106,6 +104,7 @@ def launch(nproc: int, steps: int, every: int, kill_at, folder: str, kill_rank: 
     """Run the job under torchrun; return {"returncode", "seconds", "output" (its last 4000
     characters), "events" (every rank's log, sorted by time)}. `kill_at`: a step, or one step
     per attempt (a list); `max_restarts` defaults to one restart per kill."""
+    from labkit.runtime import torchrun
     kills = _kills(kill_at)
     if not kills or not all(1 <= k <= steps for k in kills):
         raise ValueError(f"kill_at must be a step of the run (1..{steps}), or a list of them, "
@@ -115,21 +114,10 @@ def launch(nproc: int, steps: int, every: int, kill_at, folder: str, kill_rank: 
     if not 0 <= kill_rank < nproc:
         raise ValueError(f"kill_rank must be a rank (0..{nproc - 1}), got {kill_rank}")
     os.makedirs(folder, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    started = time.monotonic()
-    job = subprocess.Popen(command(nproc, folder, steps, every, kill_at, kill_rank, max_restarts),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                           start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)        # the agent and every worker it started
-        output, _ = job.communicate()
-        output += f"\nlabkit: the job ran past {timeout:g} s and was killed"
-    return {"returncode": job.returncode, "seconds": time.monotonic() - started,
-            "output": output[-4000:], "events": read_events(folder)}
+    run = torchrun.job("labkit.faults.elastic:train",
+                       _arguments(folder, steps, every, kill_at, kill_rank),
+                       nproc=nproc, max_restarts=max_restarts, timeout=timeout)
+    return dict(run, events=read_events(folder))
 
 
 def read_events(folder: str) -> list[dict]:
