@@ -39,7 +39,7 @@ def main():
     import labkit
     from labkit.checkpoint import interval, killclock
     W, C, M = options.work, options.C, options.M
-    world = labkit.world(options.nproc, backend="gloo")
+    world = labkit.world(options.nproc, backend="gloo", teaching=False)   # as torchrun's ranks
     scratch = tempfile.mkdtemp(prefix="bench-kills-")
     results, notes, mismatches = {}, [], []
     try:
