@@ -75,11 +75,12 @@ def _save(root, trainer, steps):
 
 
 def attempt(root: str, work: int, tau: int, C: float, start: float, failure: float | None,
-            victim: int = 1, started=None) -> dict:
+            victim: int = 1, started=None, dying=None) -> dict:
     """One attempt of the job, as every rank runs it (see the module docstring). `start`: the
     clock when this attempt begins; `failure`: when the next failure strikes (None: never).
     Returns {"resumed_from", "wall"} when the job finishes; rank `victim` SIGKILLs itself when
-    the clock passes `failure`. `started(step)`, if given, is called with the step loaded."""
+    the clock passes `failure`. `started(step)`, if given, is called with the step loaded, and
+    `dying()` on the victim just before it kills itself."""
     import torch.distributed as dist
     from labkit.checkpoint import bench, resume, store
     _check(work, tau, C)
@@ -95,6 +96,8 @@ def attempt(root: str, work: int, tau: int, C: float, start: float, failure: flo
 
     def die_if(cost):
         if failure is not None and clock + cost > failure and rank == victim:
+            if dying is not None:
+                dying()
             os.kill(os.getpid(), signal.SIGKILL)
 
     while trainer.steps < work:
@@ -170,7 +173,8 @@ def torchrun_attempt(folder: str, work: int, tau: int, C: float, M: float, seed:
             stream.write(json.dumps(dict(event, attempt=number, t=time.time())) + "\n")
 
     result = attempt(os.path.join(folder, "checkpoints"), work, tau, C, start, failure, victim,
-                     started=lambda step: log(event="start", resumed_from=step))
+                     started=lambda step: log(event="start", resumed_from=step),
+                     dying=lambda: log(event="kill"))
     log(event="finished", wall=result["wall"])
     return result["wall"]
 
@@ -220,9 +224,10 @@ def run_job_torchrun(folder: str, work: int, tau: int, C: float, M: float, seed:
     if len(finished) != nproc:
         raise RuntimeError(f"the last attempt ({count - 1}) finished on ranks {sorted(finished)} "
                            f"of {nproc}")
-    # the victim's last line of each attempt that died is its start: the kill comes after it
-    restart = [events[a + 1]["start"][victim]["t"] - max(
-        e["t"] for kind in events[a].values() for e in kind.values()) for a in range(count - 1)]
+    if any(victim not in events[a].get("kill", {}) for a in range(count - 1)):
+        raise RuntimeError(f"an attempt of {count} ended with no kill logged by rank {victim}")
+    restart = [events[a + 1]["start"][victim]["t"] - events[a]["kill"][victim]["t"]
+               for a in range(count - 1)]
     return {"wall": finished[0]["wall"], "failures": times[:count - 1], "resumed_from": resumed,
             "restarts": count - 1, "seconds": run["seconds"], "restart_seconds": restart}
 
