@@ -605,11 +605,11 @@ forgets_dp = _variant("task2_train_3d", "train_3d", [(
     "    zero1 = mesh.Zero1(stage.parameters(), alone, optimizer)   # a dp group of one")])
 
 layernorm_twice = _variant("task2_train_3d", "train_3d", [(
-    "        zero1.step(scale=1.0)",
+    "        grad = zero1.reduce_gradients(scale=1.0)",
     "        for p in stage.parameters():\n"
     "            if mesh.is_replicated(p) and p.grad is not None:\n"
     "                dist.all_reduce(mesh.local(p.grad), group=device_mesh.get_group('tp'))\n"
-    "        zero1.step(scale=1.0)")])
+    "        grad = zero1.reduce_gradients(scale=1.0)")])
 
 forgets_tied = _variant("task2_train_3d", "train_3d", [(
     "            dist.all_reduce(copy.grad, group=tied_group)", "            pass")])
@@ -693,7 +693,8 @@ def test_traffic_bounds_are_the_chapters_three_percent():
 import lab_notebooks  # noqa: E402  (tests/chapters is on the path)
 
 TASK1 = ["test_task1_layout", "test_task1_errors", "test_task1_nodes"]
-TASK2 = ["test_task2_step", "test_task2_replicated", "test_task2_tied", "test_task2_traffic"]
+TASK2 = ["test_task2_step", "test_task2_replicated", "test_task2_tied", "test_task2_clipped",
+         "test_task2_traffic"]
 TASK3 = ["test_task3_choice", "test_task3_memory"]
 
 
@@ -753,10 +754,11 @@ def test_task1_and_task3_wrong_answers_fail_exactly_their_cells():
 # and bytes (ZeRO paper, section 7): it passed every cell until the traffic cell judged the state
 # each rank's optimizer holds.
 TASK2_WRONG = [
-    ("PLAIN_DATA_PARALLEL", {"test_task2_traffic"}, "not ZeRO-1 over dp"),
-    ("TIED_NOT_SUMMED", {"test_task2_tied", "test_task2_traffic"}, "tied embedding is wrong"),
-    # OPTIMIZER_DROPPED (Zero1's default AdamW where SGD is asked for: step, replicated, tied)
-    # and TIED_ALWAYS (`tied` never read: step, replicated, traffic) are graded at their exact
+    ("PLAIN_DATA_PARALLEL", {"test_task2_traffic", "test_task2_clipped"}, "not ZeRO-1 over dp"),
+    ("TIED_NOT_SUMMED", {"test_task2_tied", "test_task2_traffic", "test_task2_clipped"},
+     "tied embedding is wrong"),
+    # OPTIMIZER_DROPPED (Zero1's default AdamW where SGD is asked for: step, replicated, tied,
+    # clipped) and TIED_ALWAYS (`tied` never read: step, replicated, traffic) are graded at their exact
     # scores in test_labs' run of lab 6 only: each run here costs ~60 s of ranks (suite time)
 ]
 
@@ -771,6 +773,21 @@ def test_each_wrong_answer_of_task2_fails_exactly_its_cells(name, lost, hint):
         labkit.shutdown_all()
     assert _failed(outcome) == lost, outcome
     assert any(hint in str(outcome[cell]) for cell in lost), outcome
+
+
+@pytest.mark.timeout(600)
+def test_the_tied_embedding_counted_twice_in_the_clip_fails_the_clipped_cell_only():
+    """Issue 29: clipping in 3D with a tied embedding, checked against one process's
+    clip_grad_norm_ (which counts the one parameter once): the norm that counts both copies fails
+    the clipped cell and passes the tied one (the same step, unclipped)."""
+    wrong = WRONG6.TIED_COUNTED_TWICE(lab_notebooks.answer(LAB, "task2_train_3d"))
+    try:
+        outcome = lab_notebooks.run_lab(LAB, ["test_task2_tied", "test_task2_clipped"],
+                                        {"task2_train_3d": wrong})
+    finally:
+        labkit.shutdown_all()
+    assert _failed(outcome) == {"test_task2_clipped"}, outcome
+    assert "the clip is wrong" in str(outcome["test_task2_clipped"]), outcome
 
 
 # ---- the third edition's pieces: wire, pictures, clipping on ZeRO-1 shards, crossovers ---------

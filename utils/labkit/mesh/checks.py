@@ -200,7 +200,7 @@ def random_layouts(case, count=6, max_size=48):
 # ---- task 2: the 3D training step ---------------------------------------------------------------
 
 
-def _train_program(share, fn, dims, seed, optimizer, tied):
+def _train_program(share, fn, dims, seed, optimizer, tied, max_norm=None):
     """fn on this rank, and what every torch optimizer it stepped held: {"weights": fn's result,
     "held": [parameter elements, per-element state elements]} summed over the optimizers (each
     counted at its last step; torch's global step hook sees every torch.optim optimizer)."""
@@ -217,7 +217,8 @@ def _train_program(share, fn, dims, seed, optimizer, tied):
 
     hook = register_optimizer_step_post_hook(count)
     try:
-        weights = fn(share, device_mesh(dims), seed, optimizer=optimizer, tied=tied)
+        extra = {} if max_norm is None else {"max_norm": max_norm}
+        weights = fn(share, device_mesh(dims), seed, optimizer=optimizer, tied=tied, **extra)
     finally:
         hook.remove()
     return {"weights": weights, "held": [sum(h[0] for h in held.values()),

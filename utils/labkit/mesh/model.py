@@ -326,9 +326,10 @@ def make_optimizer(params, kind="adamw", lr=1e-2, momentum=0.9, weight_decay=0.0
 
 
 def reference_training(data, seed=0, layers=LAYERS, tied=False, optimizer="adamw", lr=1e-2,
-                       dtype=torch.float64) -> list:
+                       dtype=torch.float64, max_norm=None) -> list:
     """One process, the whole global batch of every step: {name: weight} after each step.
-    data: (tokens, targets) from `batches`."""
+    data: (tokens, targets) from `batches`. max_norm: each step's gradient clipped by its global
+    norm first (`torch.nn.utils.clip_grad_norm_`; a tied embedding is one parameter there)."""
     tokens, targets = data
     model = make_model(seed, layers=layers, tied=tied, dtype=dtype)
     opt = make_optimizer(model.parameters(), optimizer, lr=lr)
@@ -336,6 +337,8 @@ def reference_training(data, seed=0, layers=LAYERS, tied=False, optimizer="adamw
     for s in range(tokens.shape[0]):
         opt.zero_grad()
         step_loss(model, tokens[s], targets[s]).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return history

@@ -42,8 +42,11 @@ LOW = 0.97                     # a relation must carry at least this share of it
 HIGH = 1.03                    # and at most this share plus its allowance (the chapter's 3%)
 
 
-def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="adamw") -> dict:
-    """Plain data for one checked run: seeds, the global batch, each rank's share."""
+def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="adamw",
+               clip=None) -> dict:
+    """Plain data for one checked run: seeds, the global batch, each rank's share. clip: None, or
+    max_norm as a fraction of the first step's gradient norm (one process's), so that the clip
+    is active at least there."""
     dp, pp, tp = dims
     if pp > m:
         raise ValueError(f"train_case: 1F1B needs m ({m}) >= pp ({pp})")
@@ -60,8 +63,13 @@ def train_case(case, dims, steps=2, m=4, ragged=True, tied=False, optimizer="ada
     for rank in range(dp * pp * tp):
         d = layout.coordinates(rank, dp, pp, tp)["dp"]
         shares.append({"tokens": tokens[:, d].clone(), "targets": targets[:, d].clone()})
+    max_norm = None
+    if clip is not None:
+        first = model.reference_gradients((tokens, targets), 0, seed, tied=tied)
+        max_norm = clip * float(torch.sqrt(sum(g.square().sum() for g in first.values())))
     return {"dims": tuple(dims), "seed": seed, "data": (tokens, targets), "shares": shares,
-            "tied": tied, "optimizer": optimizer, "steps": steps, "m": m, "ragged": ragged}
+            "tied": tied, "optimizer": optimizer, "steps": steps, "m": m, "ragged": ragged,
+            "max_norm": max_norm}
 
 
 def _run(world, fn, run, timeout, case):
@@ -71,7 +79,8 @@ def _run(world, fn, run, timeout, case):
         raise ValueError(f"world size ({world.size}) != dp ({dp}) x pp ({pp}) x tp ({tp})")
     with world.traffic() as traffic:
         results = world.run_each(_train_program, run["shares"], fn, run["dims"], run["seed"],
-                                 run["optimizer"], run["tied"], timeout=timeout)
+                                 run["optimizer"], run["tied"], run.get("max_norm"),
+                                 timeout=timeout)
     results = checks.one_result_per_rank(results, world.size, case, "train_3d")
     run["held"] = [r["held"] for r in results]          # the optimizers' elements, per rank
     return [r["weights"] for r in results], traffic
@@ -102,6 +111,13 @@ def _diagnose(results, run, reference, initial) -> str:
                 ratios[kind].append(float(moved / due))
     mean = {k: sum(v) / len(v) for k, v in ratios.items() if v}
     off = {k: abs(v - 1) for k, v in mean.items()}
+    if run.get("max_norm") is not None and _unclipped_ok(results, run):
+        return ("without clipping your step is right, so the clip is wrong: the global norm counts "
+                "every element of the gradient once (a tp shard on its rank, a replicated tensor "
+                "on tp rank 0 only, the tied embedding's last-stage copy not at all: after the "
+                "sum it holds stage 0's gradient), of the gradient summed over dp, with the "
+                "squares summed over every rank; then scale by min(1, max_norm / (norm + 1e-6)) "
+                "as torch.nn.utils.clip_grad_norm_ does")
     if tp > 1 and off.get("replicated", 0) > 0.05 and off.get("split", 0) < 0.05:
         return (f"the replicated parameters (LayerNorms, the biases of o and fc2, the embedding "
                 f"and head) moved {mean['replicated']:.2f} times as far as they should, the split "
@@ -118,14 +134,34 @@ def _diagnose(results, run, reference, initial) -> str:
     return "compare one step of yours with mesh.model.reference_training on the same data"
 
 
+def _unclipped_ok(results, run) -> bool:
+    """Whether the ranks' results would be right if the step had not been clipped at all, or
+    clipped by a norm off by a constant factor: the other parts of the step are then right."""
+    unclipped = model.reference_training(run["data"], run["seed"], tied=run["tied"],
+                                         optimizer=run["optimizer"])[-1]
+    initial = {n: p.detach() for n, p in
+               model.make_model(run["seed"], tied=run["tied"]).named_parameters()}
+    dp, pp, tp = run["dims"]
+    moved, due = 0.0, 0.0
+    for rank, got in enumerate(results):
+        t = layout.coordinates(rank, dp, pp, tp)["tp"]
+        for name, value in got.items():
+            start = model.local_shard(name, initial[name], t, tp)
+            moved += float((value.double() - start).norm())
+            due += float((model.local_shard(name, unclipped[name], t, tp) - start).norm())
+    return due > 0 and 0 < moved / due <= 1.0 + 1e-6
+
+
 def check_train_3d(world, fn, dims, steps=2, m=4, optimizer="adamw", tied=False, ragged=True,
-                   timeout=180, case=None) -> list:
+                   timeout=180, case=None, clip=None) -> list:
     """fn(batch, device_mesh, seed, optimizer=..., tied=...) on every rank (device_mesh: torch's
     DeviceMesh of shape dims, made once per shape by `model.device_mesh`) leaves every rank's
-    tensors equal to one process training the whole global batch for `steps` steps. Returns the
-    results."""
-    case = case or checks.Case(f"lab 6, task 2: train_3d at dims {tuple(dims)}")
-    run = train_case(case, dims, steps, m, ragged, tied, optimizer)
+    tensors equal to one process training the whole global batch for `steps` steps. With `clip`
+    (a fraction), fn is also given max_norm = clip x the first step's gradient norm, and one
+    process clips with torch.nn.utils.clip_grad_norm_. Returns the results."""
+    case = case or checks.Case(f"lab 6, task 2: train_3d at dims {tuple(dims)}"
+                               + (f", clipped to {clip:g} of the first step's norm" if clip else ""))
+    run = train_case(case, dims, steps, m, ragged, tied, optimizer, clip)
     results, _ = _run(world, fn, run, timeout, case)
     _check_values(results, run, case)
     return results
@@ -135,7 +171,8 @@ def _check_values(results, run, case):
     dp, pp, tp = run["dims"]
     layers = model.LAYERS
     reference = model.reference_training(run["data"], run["seed"], tied=run["tied"],
-                                         optimizer=run["optimizer"])[-1]
+                                         optimizer=run["optimizer"],
+                                         max_norm=run.get("max_norm"))[-1]
     initial = {n: p.detach() for n, p in
                model.make_model(run["seed"], tied=run["tied"]).named_parameters()}
     for rank, got in enumerate(results):
